@@ -1,0 +1,144 @@
+// The one C++ truth for the paged latent-cache formats (SPEC §2).
+//
+// Everything a kernel needs to know about a cache row lives here: the format
+// ids, their string names and aliases, bytes per token, quantisation mode and
+// the fp8_ds_mla byte offsets. mla_ext/formats.py mirrors this header and
+// tests/test_formats.py proves the two agree for every format and several
+// (L, R) through the `mla_ext::format_info` op.
+//
+// Torch-free on purpose: kernels (.cu and CPU .cpp) include it without paying
+// for torch headers.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define MLA_HOST_DEVICE __host__ __device__
+#else
+#define MLA_HOST_DEVICE
+#endif
+
+namespace mla_ext {
+
+// Stable numeric ids; the Python mirror uses the same numbers.
+enum class CacheFormat : int32_t {
+  kAuto = 0,      // the model dtype (bf16, fp16 or fp32), no quantisation
+  kBFloat16 = 1,  // explicit bf16
+  kFloat16 = 2,   // explicit fp16
+  kFp8E4M3 = 3,   // "fp8", "fp8_e4m3": e4m3 bytes, one per-tensor K scale
+  kFp8E5M2 = 4,   // "fp8_e5m2": e5m2 bytes, one per-tensor K scale
+  kFp8DsMla = 5,  // DeepSeek's 656-byte row: e4m3 kv_c + 4 tile scales + bf16 k_pe
+};
+constexpr int kNumCacheFormats = 6;
+
+enum class QuantMode : int32_t {
+  kNone = 0,
+  kFp8PerTensor = 1,
+  kFp8PerTile = 2,
+};
+
+enum class ScaleKind : int32_t {
+  kNone = 0,       // no scale
+  kPerTensor = 1,  // one fp32 K scale passed beside the cache
+  kPerTile = 2,    // fp32 scales stored inside each cache row
+};
+
+// fp8_ds_mla row layout (bytes). Only defined for L = 512, R in {64, 0}.
+namespace ds_mla {
+constexpr int kLatentDim = 512;    // L
+constexpr int kRopeDim = 64;       // R (R = 0 keeps the bytes, zero-filled)
+constexpr int kTileSize = 128;     // values per scale tile
+constexpr int kNumTiles = kLatentDim / kTileSize;  // 4
+constexpr int kLatentOffset = 0;                   // 512 x e4m3
+constexpr int kScaleOffset = kLatentDim;           // 512: 4 x fp32
+constexpr int kRopeOffset = kScaleOffset + 4 * kNumTiles;  // 528: 64 x bf16
+constexpr int kEntryBytes = kRopeOffset + 2 * kRopeDim;    // 656
+constexpr float kE4M3Max = 448.0f;
+constexpr float kMinScale = 1e-4f;  // floor of amax / 448 before rounding to 2^k
+static_assert(kEntryBytes == 656, "fp8_ds_mla rows are 656 bytes");
+}  // namespace ds_mla
+
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE5M2Max = 57344.0f;
+
+struct FormatName {
+  const char* name;
+  CacheFormat format;
+};
+
+// Every accepted spelling. The first spelling of each format is canonical.
+constexpr FormatName kFormatNames[] = {
+    {"auto", CacheFormat::kAuto},
+    {"bfloat16", CacheFormat::kBFloat16},
+    {"bf16", CacheFormat::kBFloat16},
+    {"float16", CacheFormat::kFloat16},
+    {"fp16", CacheFormat::kFloat16},
+    {"half", CacheFormat::kFloat16},
+    {"fp8", CacheFormat::kFp8E4M3},
+    {"fp8_e4m3", CacheFormat::kFp8E4M3},
+    {"fp8_e5m2", CacheFormat::kFp8E5M2},
+    {"fp8_ds_mla", CacheFormat::kFp8DsMla},
+};
+constexpr int kNumFormatNames = sizeof(kFormatNames) / sizeof(kFormatNames[0]);
+
+// Returns false when `name` is not a known spelling.
+inline bool parse_cache_format(const char* name, CacheFormat* out) {
+  for (int i = 0; i < kNumFormatNames; ++i) {
+    if (std::strcmp(name, kFormatNames[i].name) == 0) {
+      *out = kFormatNames[i].format;
+      return true;
+    }
+  }
+  return false;
+}
+
+MLA_HOST_DEVICE constexpr QuantMode quant_mode(CacheFormat f) {
+  return f == CacheFormat::kFp8E4M3 || f == CacheFormat::kFp8E5M2
+             ? QuantMode::kFp8PerTensor
+             : (f == CacheFormat::kFp8DsMla ? QuantMode::kFp8PerTile : QuantMode::kNone);
+}
+
+MLA_HOST_DEVICE constexpr ScaleKind scale_kind(CacheFormat f) {
+  return f == CacheFormat::kFp8E4M3 || f == CacheFormat::kFp8E5M2
+             ? ScaleKind::kPerTensor
+             : (f == CacheFormat::kFp8DsMla ? ScaleKind::kPerTile : ScaleKind::kNone);
+}
+
+MLA_HOST_DEVICE constexpr bool is_quantized(CacheFormat f) {
+  return quant_mode(f) != QuantMode::kNone;
+}
+
+// Bytes of one cache element as stored (the tensor's element size):
+// `model_elem_bytes` is the model dtype's size, used by kAuto.
+MLA_HOST_DEVICE constexpr int storage_elem_bytes(CacheFormat f, int model_elem_bytes) {
+  return f == CacheFormat::kAuto ? model_elem_bytes
+         : (f == CacheFormat::kBFloat16 || f == CacheFormat::kFloat16) ? 2
+                                                                        : 1;
+}
+
+// True when the format can hold rows of latent width L and rope width R.
+MLA_HOST_DEVICE constexpr bool supports_dims(CacheFormat f, int L, int R) {
+  return L > 0 && R >= 0 &&
+         (f != CacheFormat::kFp8DsMla ||
+          (L == ds_mla::kLatentDim && (R == ds_mla::kRopeDim || R == 0)));
+}
+
+// Bytes one token occupies in a page (SPEC §4); -1 when the dims are not
+// supported by the format.
+MLA_HOST_DEVICE constexpr int64_t bytes_per_token(CacheFormat f, int L, int R,
+                                                  int model_elem_bytes) {
+  return !supports_dims(f, L, R) ? -1
+         : f == CacheFormat::kFp8DsMla
+             ? static_cast<int64_t>(ds_mla::kEntryBytes)
+             : static_cast<int64_t>(L + R) * storage_elem_bytes(f, model_elem_bytes);
+}
+
+// Elements per cache entry along the last dim of `[num_blocks, B, entry]`.
+MLA_HOST_DEVICE constexpr int64_t entry_elems(CacheFormat f, int L, int R,
+                                              int model_elem_bytes) {
+  return f == CacheFormat::kFp8DsMla ? static_cast<int64_t>(ds_mla::kEntryBytes)
+                                     : static_cast<int64_t>(L + R);
+}
+
+}  // namespace mla_ext

@@ -1,0 +1,151 @@
+"""The KV-cache format registry (SPEC §2), mirror of csrc/common/cache_layout.h.
+
+One entry per format with its names, storage dtype, bytes per token, quant mode
+and scale kind. Kernels read the C++ header; Python reads this module;
+tests/test_formats.py proves both agree through the `mla_ext::format_info` op.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class QuantMode(enum.IntEnum):
+    NONE = 0
+    FP8_PER_TENSOR = 1
+    FP8_PER_TILE = 2
+
+
+class ScaleKind(enum.IntEnum):
+    NONE = 0  # no scale
+    PER_TENSOR = 1  # one fp32 K scale beside the cache
+    PER_TILE = 2  # fp32 scales stored inside each cache row
+
+
+class DsMla:
+    """fp8_ds_mla row layout in bytes (only for L = 512, R in {64, 0})."""
+
+    LATENT_DIM = 512
+    ROPE_DIM = 64
+    TILE_SIZE = 128
+    NUM_TILES = 4
+    LATENT_OFFSET = 0  # 512 x e4m3
+    SCALE_OFFSET = 512  # 4 x fp32, one per 128-value tile
+    ROPE_OFFSET = 528  # 64 x bf16, unquantized (zero-filled when R = 0)
+    ENTRY_BYTES = 656
+    E4M3_MAX = 448.0
+    MIN_SCALE = 1e-4
+
+
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    id: int  # same number as mla_ext::CacheFormat in cache_layout.h
+    name: str  # canonical spelling
+    aliases: tuple[str, ...]
+    storage: str  # "model" (the model dtype), "bfloat16", "float16" or "uint8"
+    fp8_dtype: torch.dtype | None  # encoding of the stored bytes, for fp8 formats
+    quant_mode: QuantMode
+    scale_kind: ScaleKind
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,) + self.aliases
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quant_mode != QuantMode.NONE
+
+    @property
+    def is_native(self) -> bool:
+        return not self.is_quantized
+
+    def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the cache tensor for this format under `model_dtype`."""
+        _check_model_dtype(model_dtype)
+        if self.storage == "model":
+            return model_dtype
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}[
+            self.storage
+        ]
+
+    def supports_dims(self, L: int, R: int) -> bool:
+        if L <= 0 or R < 0:
+            return False
+        if self.quant_mode == QuantMode.FP8_PER_TILE:
+            return L == DsMla.LATENT_DIM and R in (DsMla.ROPE_DIM, 0)
+        return True
+
+    def check_dims(self, L: int, R: int) -> None:
+        if not self.supports_dims(L, R):
+            if self.quant_mode == QuantMode.FP8_PER_TILE:
+                raise ValueError(
+                    f"kv_cache_dtype '{self.name}' needs kv_lora_rank L=512 and "
+                    f"qk_rope_head_dim R in (64, 0); got L={L}, R={R}"
+                )
+            raise ValueError(f"cache dims must be L > 0 and R >= 0; got L={L}, R={R}")
+
+    def entry_elems(self, L: int, R: int) -> int:
+        """Last-dim size of the `[num_blocks, B, entry]` cache tensor."""
+        self.check_dims(L, R)
+        return DsMla.ENTRY_BYTES if self.quant_mode == QuantMode.FP8_PER_TILE else L + R
+
+    def bytes_per_token(self, L: int, R: int, model_dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes one token takes in a page (SPEC §4)."""
+        self.check_dims(L, R)
+        if self.quant_mode == QuantMode.FP8_PER_TILE:
+            return DsMla.ENTRY_BYTES
+        return (L + R) * self.storage_dtype(model_dtype).itemsize
+
+    def cache_shape(self, num_blocks: int, block_size: int, L: int, R: int) -> tuple[int, int, int]:
+        return (num_blocks, block_size, self.entry_elems(L, R))
+
+
+FORMATS: tuple[CacheFormat, ...] = (
+    CacheFormat(0, "auto", (), "model", None, QuantMode.NONE, ScaleKind.NONE),
+    CacheFormat(1, "bfloat16", ("bf16",), "bfloat16", None, QuantMode.NONE, ScaleKind.NONE),
+    CacheFormat(2, "float16", ("fp16", "half"), "float16", None, QuantMode.NONE, ScaleKind.NONE),
+    CacheFormat(
+        3, "fp8", ("fp8_e4m3",), "uint8", torch.float8_e4m3fn,
+        QuantMode.FP8_PER_TENSOR, ScaleKind.PER_TENSOR,
+    ),
+    CacheFormat(
+        4, "fp8_e5m2", (), "uint8", torch.float8_e5m2,
+        QuantMode.FP8_PER_TENSOR, ScaleKind.PER_TENSOR,
+    ),
+    CacheFormat(
+        5, "fp8_ds_mla", (), "uint8", torch.float8_e4m3fn,
+        QuantMode.FP8_PER_TILE, ScaleKind.PER_TILE,
+    ),
+)
+
+_BY_NAME = {n: f for f in FORMATS for n in f.names}
+ALL_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def get_format(name: str | CacheFormat, arg: str = "kv_cache_dtype") -> CacheFormat:
+    """The format for a name or alias; a ValueError naming `arg` otherwise."""
+    if isinstance(name, CacheFormat):
+        return name
+    if not isinstance(name, str):
+        raise ValueError(f"{arg}: expected a format name (str), got {type(name).__name__}")
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(
+            f"{arg}: unknown KV-cache format {name!r}; expected one of: {', '.join(ALL_NAMES)}"
+        ) from None
+
+
+def _check_model_dtype(dtype: torch.dtype) -> None:
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(
+            f"model_dtype: expected one of torch.bfloat16, torch.float16, torch.float32; got {dtype}"
+        )

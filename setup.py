@@ -1,0 +1,139 @@
+"""Build of mla_ext._C.
+
+C++ CPU kernels are always built. CUDA kernels are added when torch is a CUDA
+build and a CUDA toolkit (nvcc + headers) is found, for TORCH_CUDA_ARCH_LIST
+(default "8.6;9.0a"). MLA_EXT_CUDA=0 forces a CPU-only build (fast iteration),
+MLA_EXT_CUDA=1 makes a missing toolkit an error instead of a fallback.
+"""
+import glob
+import os
+import re
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.6;9.0a"
+
+
+def _toolkit_root():
+    """The CUDA toolkit root, or None.
+
+    The `nvcc` on PATH may be a wrapper script (it is on the build machines),
+    which makes torch's own guess land one level too high; look through it.
+    """
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.environ["CUDA_HOME"])
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        try:
+            with open(real, "rb") as f:
+                head = f.read(4096)
+            if head.startswith(b"#!"):
+                m = re.search(rb"exec\s+(\S+/bin/nvcc)", head)
+                if m:
+                    real = m.group(1).decode()
+        except OSError:
+            pass
+        candidates.append(os.path.dirname(os.path.dirname(real)))
+    candidates += ["/usr/local/cuda"]
+    for root in candidates:
+        if os.path.exists(os.path.join(root, "include", "cuda_runtime_api.h")) and os.path.exists(
+            os.path.join(root, "bin", "nvcc")
+        ):
+            return root
+    return None
+
+
+def _want_cuda(torch):
+    mode = os.environ.get("MLA_EXT_CUDA", "auto").lower()
+    if mode in ("0", "off", "false", "no"):
+        return False, "disabled by MLA_EXT_CUDA=0"
+    reasons = []
+    if torch.version.cuda is None:
+        reasons.append(f"torch {torch.__version__} is a CPU-only build")
+    root = _toolkit_root()
+    if root is None:
+        reasons.append("no CUDA toolkit found (nvcc + include/cuda_runtime_api.h)")
+    if reasons:
+        if mode in ("1", "on", "true", "yes"):
+            sys.exit("MLA_EXT_CUDA=1 but CUDA cannot be built: " + "; ".join(reasons))
+        return False, "; ".join(reasons)
+    os.environ["CUDA_HOME"] = root
+    return True, root
+
+
+def _extensions():
+    import torch
+
+    # Decide (and export CUDA_HOME) before torch.utils.cpp_extension is
+    # imported: it reads CUDA_HOME once, at import time.
+    use_cuda, why = _want_cuda(torch)
+    from torch.utils import cpp_extension
+
+    print(f"[mla_ext] CUDA kernels: {'yes, toolkit ' + why if use_cuda else 'no (' + why + ')'}")
+
+    cpu_sources = ["csrc/bindings.cpp"] + sorted(glob.glob("csrc/**/*_cpu.cpp", recursive=True))
+    cxx = ["-O3", "-std=c++20", "-g0", "-fopenmp", "-Wno-unused-function"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if not use_cuda:
+        return [
+            cpp_extension.CppExtension(
+                "mla_ext._C",
+                cpu_sources,
+                include_dirs=include_dirs,
+                extra_compile_args={"cxx": cxx},
+                extra_link_args=["-fopenmp"],
+            )
+        ]
+
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # torch reads it for -gencode flags
+    cuda_sources = sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    # Kernels and bindings need no cuBLAS/nvrtc headers (bindings use c10/cuda
+    # only), so the pip wheels' include dir, which shadows the toolkit's
+    # cuda_runtime.h, is deliberately not added.
+    defines = ["-DMLA_EXT_WITH_CUDA", f'-DMLA_EXT_CUDA_ARCH_LIST="{archs}"']
+    nvcc = [
+        "-O3",
+        "-std=c++20",
+        "--expt-relaxed-constexpr",
+        "-lineinfo",
+        # torch disables the half/bf16 operators for its own reasons; kernels
+        # here use intrinsics anyway but should not be forced to.
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "-U__CUDA_NO_HALF2_OPERATORS__",
+    ] + defines
+    return [
+        cpp_extension.CUDAExtension(
+            "mla_ext._C",
+            cpu_sources + cuda_sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx + defines, "nvcc": nvcc},
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+
+
+def _cmdclass():
+    from torch.utils import cpp_extension
+
+    return {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+setup(
+    name="mla_ext",
+    version="0.1.0",
+    description="MLA prefill-with-context kernels (paged latent cache, kv_b_proj, chunked attention)",
+    packages=find_packages(include=["mla_ext", "mla_ext.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11", "numpy"],
+    ext_modules=_extensions(),
+    cmdclass=_cmdclass(),
+    zip_safe=False,
+)
