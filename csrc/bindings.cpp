@@ -87,6 +87,9 @@ std::string build_info() {
 }  // namespace
 }  // namespace mla_ext
 
+// Each stage registers its schemas with its own TORCH_LIBRARY_FRAGMENT and its
+// kernels with TORCH_LIBRARY_IMPL blocks in its section below, so stages can
+// be added without touching each other.
 TORCH_LIBRARY(mla_ext, m) {
   // --- foundation ---
   m.def("format_info(str kv_cache_dtype, int L, int R, int model_elem_bytes) -> int[]",
@@ -94,3 +97,15 @@ TORCH_LIBRARY(mla_ext, m) {
   m.def("ds_mla_layout() -> int[]", &mla_ext::ds_mla_layout);
   m.def("build_info() -> str", &mla_ext::build_info);
 }
+
+// ===========================================================================
+// Stage: cache (write / gather / cp_gather / compute_kv_scale)
+// ===========================================================================
+
+// ===========================================================================
+// Stage: kv_b_proj (Marlin FP8 repack / GEMM)
+// ===========================================================================
+
+// ===========================================================================
+// Stage: attention (merge_attn_states)
+// ===========================================================================
