@@ -8,3 +8,9 @@ from __future__ import annotations
 import torch  # noqa: F401
 
 # Per-stage sections are added as ops arrive; the foundation ops take no tensors.
+
+# === Stage: cache ===
+
+# === Stage: kv_b_proj ===
+
+# === Stage: attention ===
