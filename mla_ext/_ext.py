@@ -49,7 +49,7 @@ def build_info() -> dict:
         return {"loaded": False, "cuda": False, "archs": [], "error": _LOAD_ERROR}
     raw = torch.ops.mla_ext.build_info()
     fields = dict(kv.split("=", 1) for kv in raw.split("|"))
-    archs = [a for a in fields.get("archs", "").split(";") if a]
+    archs = [a for a in fields.get("archs", "").replace(",", ";").split(";") if a]
     return {
         "loaded": True,
         "cuda": fields.get("cuda") == "1",
