@@ -1,0 +1,281 @@
+"""Argument checks shared by every cache backend (C++ CPU, CUDA, Triton).
+
+Errors are API: each raises ValueError naming the argument and what was
+expected. The shape/dtype/stride checks never read tensor data (no host sync);
+`check_block_ids`, `check_slots` and `check_scale_value` do read data and are
+used only when the caller asks for `validate=True` (or the data is on the CPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mla_ext.formats import DsMla, QuantMode, get_format, CacheFormat
+
+NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DEQUANT_DST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_VIEW_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class GatherInfo:
+    """What a validated gather does; backends read it to pick a kernel."""
+
+    fmt: CacheFormat
+    raw: bool  # bytes copied unchanged (native copy or fp8 passthrough)
+    num_blocks: int
+    block_size: int
+    entry: int  # last dim of the cache
+    width: int  # last dim of dst
+
+
+def _tensor(x, arg: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{arg}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _same_device(t: Tensor, ref: Tensor, arg: str, ref_arg: str) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{arg}: expected a tensor on {ref.device} (the device of {ref_arg}), got {t.device}")
+
+
+def _int_tensor(t, arg: str, ndim: int, dtypes=(torch.int32,)) -> Tensor:
+    t = _tensor(t, arg)
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{arg}: expected dtype {names}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{arg}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_cache_layout(cache, arg: str) -> Tensor:
+    cache = _tensor(cache, arg)
+    if cache.dim() != 3:
+        raise ValueError(f"{arg}: expected a 3-D [num_blocks, block_size, entry] tensor, got shape {tuple(cache.shape)}")
+    if cache.size(2) > 1 and cache.stride(2) != 1:
+        raise ValueError(f"{arg}: the last dim must be contiguous (stride 1), got strides {cache.stride()}")
+    if cache.stride(0) < 0 or cache.stride(1) < 0:
+        raise ValueError(f"{arg}: negative strides are not supported, got {cache.stride()}")
+    if cache.size(1) < 1:
+        raise ValueError(f"{arg}: block_size (dim 1) must be >= 1, got {cache.size(1)}")
+    return cache
+
+
+def check_cache(cache, fmt: CacheFormat, arg: str = "kv_cache") -> tuple[int, int, int]:
+    """A `[num_blocks, B, entry]` cache of `fmt`; returns (num_blocks, B, entry).
+
+    The last dim must be contiguous; block and entry strides are free (a cache
+    may be a view into a larger buffer) but must be non-negative.
+    """
+    cache = _check_cache_layout(cache, arg)
+    if fmt.quant_mode == QuantMode.NONE:
+        if cache.dtype not in NATIVE_DTYPES:
+            raise ValueError(
+                f"{arg}: kv_cache_dtype {fmt.name!r} needs a bf16/fp16/fp32 cache, got {cache.dtype}"
+            )
+        want = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(fmt.storage)
+        if want is not None and cache.dtype != want:
+            raise ValueError(f"{arg}: kv_cache_dtype {fmt.name!r} needs a {want} cache, got {cache.dtype}")
+    else:
+        ok = cache.dtype == torch.uint8 or (
+            fmt.quant_mode == QuantMode.FP8_PER_TENSOR and cache.dtype == fmt.fp8_dtype
+        )
+        if not ok:
+            also = f" or {fmt.fp8_dtype}" if fmt.quant_mode == QuantMode.FP8_PER_TENSOR else ""
+            raise ValueError(f"{arg}: kv_cache_dtype {fmt.name!r} needs a torch.uint8{also} cache, got {cache.dtype}")
+        if fmt.quant_mode == QuantMode.FP8_PER_TILE and cache.size(2) != DsMla.ENTRY_BYTES:
+            raise ValueError(
+                f"{arg}: fp8_ds_mla entries are {DsMla.ENTRY_BYTES} bytes, got last dim {cache.size(2)}"
+            )
+    return cache.size(0), cache.size(1), cache.size(2)
+
+
+def check_k_scale(k_scale, fmt: CacheFormat, device: torch.device) -> None:
+    """A per-tensor format needs a float32 scale with one element on the cache's device."""
+    if fmt.quant_mode != QuantMode.FP8_PER_TENSOR:
+        return
+    k_scale = _tensor(k_scale, "k_scale")
+    if k_scale.dtype != torch.float32 or k_scale.numel() != 1:
+        raise ValueError(
+            f"k_scale: expected a float32 tensor with 1 element, got {k_scale.dtype} of shape {tuple(k_scale.shape)}"
+        )
+    if k_scale.device != device:
+        raise ValueError(f"k_scale: expected a tensor on {device} (the cache's device), got {k_scale.device}")
+
+
+def check_scale_value(k_scale: Tensor) -> None:
+    """Reads the scale (a host sync on CUDA): must be finite and > 0."""
+    v = float(k_scale.reshape(-1)[0])
+    if not (v > 0.0 and v != float("inf")):
+        raise ValueError(f"k_scale: expected a finite value > 0, got {v}")
+
+
+def validate_write_args(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> CacheFormat:
+    fmt = get_format(kv_cache_dtype)
+    kv_c, k_pe = _tensor(kv_c, "kv_c"), _tensor(k_pe, "k_pe")
+    _, _, entry = check_cache(kv_cache, fmt)
+    if kv_c.dim() != 2 or k_pe.dim() != 2:
+        raise ValueError(
+            f"kv_c, k_pe: expected 2-D [T, L] and [T, R] tensors, got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}"
+        )
+    T, L = kv_c.shape
+    R = k_pe.size(1)
+    if k_pe.size(0) != T:
+        raise ValueError(f"k_pe: expected {T} rows (as kv_c), got {k_pe.size(0)}")
+    for t, name in ((kv_c, "kv_c"), (k_pe, "k_pe")):
+        if t.dtype not in NATIVE_DTYPES:
+            raise ValueError(f"{name}: expected bf16/fp16/fp32, got {t.dtype}")
+        if t.size(1) > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
+        _same_device(t, kv_cache, name, "kv_cache")
+    if k_pe.dtype != kv_c.dtype:
+        raise ValueError(f"k_pe: expected dtype {kv_c.dtype} (as kv_c), got {k_pe.dtype}")
+    fmt.check_dims(L, R)
+    if fmt.quant_mode == QuantMode.NONE and kv_c.dtype != kv_cache.dtype:
+        raise ValueError(f"kv_c: a native {kv_cache.dtype} cache takes {kv_cache.dtype} inputs, got {kv_c.dtype}")
+    want = fmt.entry_elems(L, R)
+    if entry != want:
+        raise ValueError(f"kv_cache: expected entry width {want} for L={L}, R={R}, format {fmt.name!r}; got {entry}")
+    slot_mapping = _int_tensor(slot_mapping, "slot_mapping", 1, (torch.int64, torch.int32))
+    if slot_mapping.numel() != T:
+        raise ValueError(f"slot_mapping: expected {T} entries (one per token), got {slot_mapping.numel()}")
+    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError("slot_mapping: expected a contiguous tensor")
+    _same_device(slot_mapping, kv_cache, "slot_mapping", "kv_cache")
+    check_k_scale(k_scale, fmt, kv_cache.device)
+    return fmt
+
+
+def check_slots(slot_mapping: Tensor, num_slots: int) -> None:
+    """Reads slot_mapping (host sync): every slot is -1 (skip) or in [0, num_slots)."""
+    s = slot_mapping.to("cpu", torch.int64)
+    bad = ((s < -1) | (s >= num_slots)).nonzero()
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise ValueError(
+            f"slot_mapping: token {t} has slot {int(s[t])}, outside [0, {num_slots}) (and not -1)"
+        )
+
+
+def _check_gather_index_args(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts) -> None:
+    block_table = _int_tensor(block_table, "block_table", 2)
+    cu_seq_lens = _int_tensor(cu_seq_lens, "cu_seq_lens", 1)
+    if not isinstance(num_reqs, int) or isinstance(num_reqs, bool):
+        raise ValueError(f"num_reqs: expected an int, got {type(num_reqs).__name__}")
+    if num_reqs < 0 or num_reqs > cu_seq_lens.numel() - 1:
+        raise ValueError(
+            f"num_reqs: expected 0 <= num_reqs <= cu_seq_lens.numel() - 1 = {cu_seq_lens.numel() - 1}, got {num_reqs}"
+        )
+    if num_reqs > block_table.size(0):
+        raise ValueError(f"block_table: expected at least num_reqs={num_reqs} rows, got {block_table.size(0)}")
+    if block_table.size(1) > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table: the last dim must be contiguous (stride 1), got strides {block_table.stride()}")
+    if cu_seq_lens.numel() > 1 and cu_seq_lens.stride(0) != 1:
+        raise ValueError("cu_seq_lens: expected a contiguous tensor")
+    for t, name in ((block_table, "block_table"), (cu_seq_lens, "cu_seq_lens")):
+        _same_device(t, src_cache, name, "src_cache")
+    if seq_starts is not None:
+        seq_starts = _int_tensor(seq_starts, "seq_starts", 1)
+        if seq_starts.numel() < num_reqs:
+            raise ValueError(f"seq_starts: expected at least num_reqs={num_reqs} entries, got {seq_starts.numel()}")
+        if seq_starts.numel() > 1 and seq_starts.stride(0) != 1:
+            raise ValueError("seq_starts: expected a contiguous tensor")
+        _same_device(seq_starts, src_cache, "seq_starts", "src_cache")
+    dst = _tensor(dst, "dst")
+    if dst.dim() != 2:
+        raise ValueError(f"dst: expected a 2-D [T, E] tensor, got shape {tuple(dst.shape)}")
+    if dst.size(1) > 1 and dst.stride(1) != 1:
+        raise ValueError(f"dst: the last dim must be contiguous (stride 1), got strides {dst.stride()}")
+    if dst.stride(0) < 0:
+        raise ValueError(f"dst: negative strides are not supported, got {dst.stride()}")
+    _same_device(dst, src_cache, "dst", "src_cache")
+
+
+def validate_gather_args(
+    src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale, seq_starts=None
+) -> GatherInfo:
+    """Checks of gather_and_maybe_dequant_cache; no data is read."""
+    fmt = get_format(kv_cache_dtype)
+    num_blocks, B, entry = check_cache(src_cache, fmt, "src_cache")
+    _check_gather_index_args(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts)
+    width = dst.size(1)
+    raw = dst.dtype == src_cache.dtype
+    if fmt.quant_mode == QuantMode.NONE and not raw:
+        raise ValueError(
+            f"dst: a native {src_cache.dtype} cache ({fmt.name!r}) can only be gathered into "
+            f"{src_cache.dtype}, got {dst.dtype}"
+        )
+    if not raw and dst.dtype not in DEQUANT_DST_DTYPES:
+        raise ValueError(
+            f"dst: expected bf16/fp16/fp32 (dequantized) or {src_cache.dtype} (raw bytes), got {dst.dtype}"
+        )
+    if raw or fmt.quant_mode != QuantMode.FP8_PER_TILE:
+        if width != entry:
+            raise ValueError(f"dst: expected {entry} columns (the cache entry width), got {width}")
+    elif width not in (DsMla.LATENT_DIM + DsMla.ROPE_DIM, DsMla.LATENT_DIM):
+        raise ValueError(
+            f"dst: fp8_ds_mla dequantizes to {DsMla.LATENT_DIM + DsMla.ROPE_DIM} (R=64) or "
+            f"{DsMla.LATENT_DIM} (R=0) columns, got {width}"
+        )
+    if not raw:
+        check_k_scale(k_scale, fmt, src_cache.device)
+    return GatherInfo(fmt, raw, num_blocks, B, entry, width)
+
+
+def validate_cp_gather_args(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts=None) -> GatherInfo:
+    """Checks of cp_gather_cache (raw bytes: dst has the cache's dtype and entry width)."""
+    src_cache = _check_cache_layout(src_cache, "src_cache")
+    _check_gather_index_args(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts)
+    if dst.dtype != src_cache.dtype:
+        raise ValueError(
+            f"dst: cp_gather_cache copies raw bytes, so dst must have the cache's dtype {src_cache.dtype}, got {dst.dtype}"
+        )
+    if dst.size(1) != src_cache.size(2):
+        raise ValueError(f"dst: expected {src_cache.size(2)} columns (the cache entry width), got {dst.size(1)}")
+    fmt = get_format("auto")
+    return GatherInfo(fmt, True, src_cache.size(0), src_cache.size(1), src_cache.size(2), dst.size(1))
+
+
+def check_block_ids(
+    block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int, seq_starts: Tensor | None,
+    num_blocks: int, block_size: int,
+) -> None:
+    """Reads the index tensors (host sync) and raises naming the first bad request and block.
+
+    Checks: cu_seq_lens starts at >= 0 and never decreases, seq_starts are >= 0,
+    every logical block a request touches is inside the table width, and its
+    physical block id is in [0, num_blocks).
+    """
+    cu = cu_seq_lens.to("cpu", torch.int64).tolist()
+    starts = seq_starts.to("cpu", torch.int64).tolist() if seq_starts is not None else None
+    bt = block_table.to("cpu", torch.int64)
+    width = bt.size(1)
+    if num_reqs and cu[0] < 0:
+        raise ValueError(f"cu_seq_lens: entry 0 is {cu[0]}, expected >= 0")
+    for r in range(num_reqs):
+        n = cu[r + 1] - cu[r]
+        if n < 0:
+            raise ValueError(f"cu_seq_lens: request {r} has a negative length ({cu[r]} -> {cu[r + 1]})")
+        if n == 0:
+            continue
+        s = starts[r] if starts is not None else 0
+        if s < 0:
+            raise ValueError(f"seq_starts: request {r} starts at {s}, expected >= 0")
+        first, last = s // block_size, (s + n - 1) // block_size
+        if last >= width:
+            raise ValueError(
+                f"block_table: request {r} needs logical block {last} (tokens {s}..{s + n - 1}, "
+                f"block_size {block_size}) but the table has {width} columns"
+            )
+        ids = bt[r, first : last + 1]
+        bad = ((ids < 0) | (ids >= num_blocks)).nonzero()
+        if bad.numel():
+            j = int(bad[0, 0])
+            raise ValueError(
+                f"block_table: request {r}, logical block {first + j} holds block id {int(ids[j])}, "
+                f"outside [0, {num_blocks})"
+            )

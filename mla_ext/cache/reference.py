@@ -1,0 +1,192 @@
+"""Pure-PyTorch reference for the paged latent cache ops (SPEC §2, §6).
+
+Clarity over speed, float32 math, runs on the CPU. Every backend (C++ CPU,
+CUDA, Triton) is tested against these functions; they mutate and return like
+the compiled ops they mirror.
+
+Out-of-range policy shared by all backends (documented in mla_ext.cache.api):
+a gathered row whose token lies in a logical block past the block table's
+width, whose token index is negative, or whose physical block id lies outside
+`[0, num_blocks)` is written as ZERO (no read happens); a write whose slot is
+negative or `>= num_blocks * block_size` is skipped. Rows of `dst` at or past
+`cu_seq_lens[num_reqs]` are left untouched; rows past `dst.size(0)` are not
+written.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mla_ext.formats import DsMla, E4M3_MAX, E5M2_MAX, QuantMode, get_format
+
+# compute_kv_scale never returns less than this, so a layer of all-zero data
+# still gets a finite, positive (usable) scale. Well below any real amax/448.
+MIN_KV_SCALE = 1e-12
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    if fp8_dtype == torch.float8_e4m3fn:
+        return E4M3_MAX
+    if fp8_dtype == torch.float8_e5m2:
+        return E5M2_MAX
+    raise ValueError(f"fp8_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+
+
+def quantize_fp8_per_tensor(x: Tensor, k_scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """saturate(x / k_scale) as fp8 bytes (uint8). Round-to-nearest-even; NaN stays NaN."""
+    m = fp8_max(fp8_dtype)
+    q = (x.float() / k_scale.float().reshape(())).clamp(-m, m)
+    return q.to(fp8_dtype).view(torch.uint8)
+
+
+def dequantize_fp8_bytes(b: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """fp8 bytes (uint8) -> their float32 values (no scale applied)."""
+    fp8_max(fp8_dtype)  # validates the dtype
+    return b.contiguous().view(torch.uint8).view(fp8_dtype).float()
+
+
+def _ds_tile_scales(kv_c: Tensor) -> Tensor:
+    """[T, 4] power-of-two scales: 2^ceil(log2(max(amax(tile)/448, 1e-4))).
+
+    ceil(log2(s)) is computed exactly from the float's exponent (frexp gives
+    s = m * 2^e with m in [0.5, 1): ceil(log2 s) = e - 1 when m == 0.5, else e),
+    so no log2 rounding can push a tile over 448. Kernels do the same.
+    """
+    T = kv_c.shape[0]
+    tiles = kv_c.float().reshape(T, DsMla.NUM_TILES, DsMla.TILE_SIZE)
+    amax = tiles.abs().amax(dim=-1)
+    s = torch.clamp(amax / DsMla.E4M3_MAX, min=DsMla.MIN_SCALE)
+    mant, exp = torch.frexp(s)
+    e = torch.where(mant == 0.5, exp - 1, exp)
+    return torch.ldexp(torch.ones_like(s), e.to(torch.float32))
+
+
+def encode_ds_mla_row(kv_c: Tensor, k_pe: Tensor) -> Tensor:
+    """[T, 512] latent + [T, 64 or 0] rope -> [T, 656] fp8_ds_mla rows (uint8)."""
+    T = kv_c.shape[0]
+    if kv_c.shape[-1] != DsMla.LATENT_DIM or k_pe.shape[-1] not in (DsMla.ROPE_DIM, 0):
+        raise ValueError(
+            f"fp8_ds_mla needs kv_c [T, 512] and k_pe [T, 64 or 0]; got {tuple(kv_c.shape)}, "
+            f"{tuple(k_pe.shape)}"
+        )
+    scales = _ds_tile_scales(kv_c)
+    tiles = kv_c.float().reshape(T, DsMla.NUM_TILES, DsMla.TILE_SIZE) / scales[:, :, None]
+    q = tiles.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    out = torch.zeros(T, DsMla.ENTRY_BYTES, dtype=torch.uint8)
+    out[:, DsMla.LATENT_OFFSET : DsMla.LATENT_OFFSET + DsMla.LATENT_DIM] = q.reshape(T, -1)
+    out[:, DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET] = scales.contiguous().view(torch.uint8)
+    if k_pe.shape[-1]:
+        rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+        out[:, DsMla.ROPE_OFFSET :] = rope
+    return out
+
+
+def decode_ds_mla_row(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """[T, 656] uint8 -> (kv_c float32 [T, 512], k_pe bf16 [T, 64], tile scales float32 [T, 4])."""
+    rows = rows.contiguous().view(torch.uint8)
+    T = rows.shape[0]
+    scales = rows[:, DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET].contiguous().view(torch.float32)
+    vals = dequantize_fp8_bytes(rows[:, DsMla.LATENT_OFFSET : DsMla.LATENT_DIM], torch.float8_e4m3fn)
+    kv_c = (vals.reshape(T, DsMla.NUM_TILES, DsMla.TILE_SIZE) * scales[:, :, None]).reshape(T, -1)
+    k_pe = rows[:, DsMla.ROPE_OFFSET :].contiguous().view(torch.bfloat16)
+    return kv_c, k_pe, scales
+
+
+def _encode_rows(kv_c: Tensor, k_pe: Tensor, fmt, cache_dtype: torch.dtype, k_scale) -> Tensor:
+    """New tokens -> cache entries of `fmt` (dtype of the cache)."""
+    if fmt.quant_mode == QuantMode.FP8_PER_TILE:
+        return encode_ds_mla_row(kv_c, k_pe).view(cache_dtype)
+    row = torch.cat([kv_c.float(), k_pe.float()], dim=-1)
+    if fmt.quant_mode == QuantMode.FP8_PER_TENSOR:
+        return quantize_fp8_per_tensor(row, k_scale, fmt.fp8_dtype).view(cache_dtype)
+    return torch.cat([kv_c, k_pe], dim=-1).to(cache_dtype)
+
+
+def concat_and_cache_mla_ref(
+    kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor, kv_cache_dtype: str,
+    k_scale: Tensor,
+) -> None:
+    """Writes token t to `kv_cache[slot // B, slot % B]`; negative or too-large slots are skipped."""
+    fmt = get_format(kv_cache_dtype)
+    num_blocks, B = kv_cache.shape[0], kv_cache.shape[1]
+    rows = _encode_rows(kv_c, k_pe, fmt, kv_cache.dtype, k_scale)
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if 0 <= slot < num_blocks * B:
+            kv_cache[slot // B, slot % B] = rows[t]
+
+
+def _decode_rows(rows: Tensor, fmt, out_dtype: torch.dtype, out_width: int, k_scale) -> Tensor:
+    """Cache entries -> `out_dtype` rows: dequantized, or raw when dtypes match."""
+    if rows.dtype == out_dtype:  # native copy or fp8 passthrough: bytes unchanged
+        return rows
+    if fmt.quant_mode == QuantMode.FP8_PER_TILE:
+        kv_c, k_pe, _ = decode_ds_mla_row(rows)
+        full = torch.cat([kv_c, k_pe.float()], dim=-1)[:, :out_width]
+        return full.to(out_dtype)
+    if fmt.quant_mode == QuantMode.FP8_PER_TENSOR:
+        vals = dequantize_fp8_bytes(rows, fmt.fp8_dtype) * k_scale.float().reshape(())
+        return vals.to(out_dtype)
+    raise ValueError(f"dst: a native {rows.dtype} cache cannot be gathered into {out_dtype}")
+
+
+def _gather_rows(
+    src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int,
+    seq_starts: Tensor | None, convert,
+) -> None:
+    num_blocks, B = src_cache.shape[0], src_cache.shape[1]
+    width = block_table.shape[1]
+    cu = cu_seq_lens.tolist()
+    starts = seq_starts.tolist() if seq_starts is not None else [0] * num_reqs
+    bt = block_table.tolist()
+    n_dst = dst.shape[0]
+    for r in range(num_reqs):
+        lo, hi = max(cu[r], 0), min(cu[r + 1], n_dst)
+        for row in range(lo, hi):
+            tok = starts[r] + (row - cu[r])
+            lb = tok // B if tok >= 0 else -1
+            pb = bt[r][lb] if 0 <= lb < width else -1
+            if 0 <= pb < num_blocks:
+                dst[row] = convert(src_cache[pb, tok % B][None])[0]
+            else:
+                dst[row] = 0
+
+
+def gather_ref(
+    src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int,
+    kv_cache_dtype: str, k_scale: Tensor, seq_starts: Tensor | None = None,
+) -> None:
+    """dst[cu[r] + i] = dequant(cache token seq_starts[r] + i of request r), for r < num_reqs."""
+    fmt = get_format(kv_cache_dtype)
+    _gather_rows(
+        src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts,
+        lambda rows: _decode_rows(rows, fmt, dst.dtype, dst.shape[1], k_scale),
+    )
+
+
+def cp_gather_ref(
+    src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int,
+    seq_starts: Tensor | None = None,
+) -> None:
+    """Raw gather: same rows as gather_ref, bytes copied unchanged (dst.dtype == cache dtype)."""
+    _gather_rows(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts, lambda rows: rows)
+
+
+def compute_kv_scale_ref(kv_c: Tensor, k_pe: Tensor, kv_cache_dtype: str) -> Tensor:
+    """Per-tensor K scale [1] float32: max(amax(|kv_c|, |k_pe|) / fp8_max, MIN_KV_SCALE).
+
+    Non-finite values (NaN, ±inf) are ignored by the amax, so the scale is
+    always finite and > 0. fp8_ds_mla keeps its scales inside the rows: 1.0.
+    Native formats have no scale: ValueError.
+    """
+    fmt = get_format(kv_cache_dtype)
+    if fmt.quant_mode == QuantMode.NONE:
+        raise ValueError(
+            f"kv_cache_dtype: layer is not quantized ({fmt.name!r}); it computes no KV scale"
+        )
+    if fmt.quant_mode == QuantMode.FP8_PER_TILE:
+        return torch.ones(1, dtype=torch.float32)
+    vals = torch.cat([kv_c.float().reshape(-1), k_pe.float().reshape(-1)]).abs()
+    vals = torch.where(torch.isfinite(vals), vals, torch.zeros_like(vals))
+    amax = vals.max() if vals.numel() else torch.zeros((), dtype=torch.float32)
+    scale = torch.clamp(amax / fp8_max(fmt.fp8_dtype), min=MIN_KV_SCALE)
+    return scale.reshape(1).to(torch.float32)
