@@ -1,0 +1,252 @@
+"""Triton gather of paged latent-cache rows with the dequant fused (SPEC §2, §6).
+
+One kernel serves every format; a constexpr MODE picks the row decoder:
+  COPY   dst.dtype == cache dtype: native bf16/fp16/fp32 copy, or raw fp8 bytes;
+  E4M3 / E5M2   per-tensor fp8 bytes x k_scale;
+  DS_MLA  fp8_ds_mla 656-byte rows: 4 x 128 e4m3 values x their fp32 tile scale,
+          then 64 bf16 k_pe copied bit-exactly.
+
+Semantics are those of `reference.gather_ref`, including its out-of-range
+policy: a row whose token is negative, lies in a logical block past the table
+width, or maps to a block id outside [0, num_blocks) is written as zeros, and
+no load touches memory for it (loads are masked and their indices clamped).
+Rows of dst outside [cu_seq_lens[0], cu_seq_lens[num_reqs]) are untouched.
+
+No host sync: each row finds its request by a binary search over cu_seq_lens
+inside the kernel, and k_scale is read on the device, so a launch is
+CUDA-graph capturable. Programs whose rows all lie past cu_seq_lens[num_reqs]
+(dst can be a whole workspace) exit after one load.
+
+fp8 bytes are decoded with integer ops instead of `tl.float8e4nv` casts
+because Triton's e4m3 conversion does not exist before sm_89 and sm_86 is a
+target: e4m3 bits shifted into an fp16 (same layout with 3 more exponent bits)
+and scaled by 2^8 give the exact value, subnormals included; e5m2 is the high
+byte of an fp16. The ds_mla scales and k_pe are assembled from single bytes
+and bitcast, so the cache needs no 2- or 4-byte alignment (it may be a view
+into a larger byte buffer at any offset).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from mla_ext.formats import DsMla, QuantMode, get_format
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as _exc:  # pragma: no cover - depends on the install
+    triton = None
+    _TRITON_IMPORT_ERROR = str(_exc)
+else:
+    _TRITON_IMPORT_ERROR = None
+
+MODE_COPY, MODE_E4M3, MODE_E5M2, MODE_DS_MLA = 0, 1, 2, 3
+_FLOAT_DSTS = (torch.bfloat16, torch.float16, torch.float32)
+_NATIVE_SRCS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e4m3_to_f32(b):
+        """uint8 e4m3fn bits (as int32) -> float32, exact; 0x7F/0xFF -> NaN."""
+        h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+    @triton.jit
+    def _e5m2_to_f32(b):
+        """uint8 e5m2 bits (as int32) -> float32, exact (it is an fp16's high byte)."""
+        return (b << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _gather_kernel(
+        src_ptr, dst_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr,
+        num_reqs, num_blocks, block_size, max_blocks, dst_rows, n_cols, search_steps,
+        s_blk, s_ent, s_col, bt_s0, bt_s1, d_row, d_col,
+        MODE: tl.constexpr, HAS_STARTS: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        row0 = tl.program_id(0) * BLOCK_R
+        total = tl.load(cu_ptr + num_reqs)
+        if row0 < total:
+            first = tl.load(cu_ptr)
+            rows = row0 + tl.arange(0, BLOCK_R)
+            live = (rows >= first) & (rows < total) & (rows < dst_rows)
+
+            # Request of each row: the largest r with cu[r] <= row. lo stays in
+            # [0, num_reqs - 1] whatever cu holds, so every index below is in range.
+            lo = tl.zeros([BLOCK_R], dtype=tl.int32)
+            hi = tl.zeros([BLOCK_R], dtype=tl.int32) + num_reqs
+            for _ in range(search_steps):
+                mid = (lo + hi) // 2
+                at_mid = tl.load(cu_ptr + mid, mask=live, other=0)
+                right = at_mid <= rows
+                lo = tl.where(right, mid, lo)
+                hi = tl.where(right, hi, mid)
+            req = lo.to(tl.int64)
+
+            tok = rows - tl.load(cu_ptr + req, mask=live, other=0)
+            if HAS_STARTS:
+                tok += tl.load(starts_ptr + req, mask=live, other=0)
+            lblk = tl.where(tok >= 0, tok // block_size, -1)
+            in_table = live & (lblk >= 0) & (lblk < max_blocks)
+            lblk = tl.where(in_table, lblk, 0).to(tl.int64)
+            blk = tl.load(bt_ptr + req * bt_s0 + lblk * bt_s1, mask=in_table, other=-1)
+            ok = in_table & (blk >= 0) & (blk < num_blocks)
+            # Clamped so that even the (masked) address stays inside the cache.
+            blk = tl.where(ok, blk, 0).to(tl.int64)
+            slot = tl.where(ok, tok % block_size, 0).to(tl.int64)
+            src_row = src_ptr + blk * s_blk + slot * s_ent
+            dst_row = dst_ptr + rows.to(tl.int64) * d_row
+            ok2 = ok[:, None]
+            live2 = live[:, None]
+
+            if MODE == 3:
+                # Four 128-value tiles, each with its fp32 scale from 4 bytes.
+                for t in tl.static_range(4):
+                    sb = src_row + (512 + 4 * t) * s_col
+                    bits = tl.load(sb, mask=ok, other=0).to(tl.int32)
+                    bits |= tl.load(sb + s_col, mask=ok, other=0).to(tl.int32) << 8
+                    bits |= tl.load(sb + 2 * s_col, mask=ok, other=0).to(tl.int32) << 16
+                    bits |= tl.load(sb + 3 * s_col, mask=ok, other=0).to(tl.int32) << 24
+                    scale = bits.to(tl.float32, bitcast=True)
+                    cols = t * 128 + tl.arange(0, 128)
+                    cm = (cols < n_cols)[None, :]
+                    b = tl.load(src_row[:, None] + cols[None, :] * s_col, mask=ok2 & cm, other=0)
+                    v = _e4m3_to_f32(b.to(tl.int32)) * scale[:, None]
+                    v = tl.where(ok2, v, 0.0)
+                    tl.store(dst_row[:, None] + cols[None, :] * d_col, v, mask=live2 & cm)
+                # k_pe: 64 bf16 from byte pairs, bit-exact (bf16 -> f32 -> dst).
+                k = tl.arange(0, 64)
+                cm = ((512 + k) < n_cols)[None, :]
+                pb = src_row[:, None] + (528 + 2 * k[None, :]) * s_col
+                lo_b = tl.load(pb, mask=ok2 & cm, other=0).to(tl.int32)
+                hi_b = tl.load(pb + s_col, mask=ok2 & cm, other=0).to(tl.int32)
+                pe = (lo_b | (hi_b << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                tl.store(dst_row[:, None] + (512 + k[None, :]) * d_col, pe.to(tl.float32),
+                         mask=live2 & cm)
+            else:
+                if MODE != 0:
+                    k_scale = tl.load(scale_ptr)
+                for c0 in range(0, n_cols, BLOCK_C):
+                    cols = c0 + tl.arange(0, BLOCK_C)
+                    cm = (cols < n_cols)[None, :]
+                    x = tl.load(src_row[:, None] + cols[None, :] * s_col, mask=ok2 & cm, other=0)
+                    if MODE == 1:
+                        x = tl.where(ok2, _e4m3_to_f32(x.to(tl.int32)) * k_scale, 0.0)
+                    elif MODE == 2:
+                        x = tl.where(ok2, _e5m2_to_f32(x.to(tl.int32)) * k_scale, 0.0)
+                    tl.store(dst_row[:, None] + cols[None, :] * d_col, x, mask=live2 & cm)
+
+
+def _mode(fmt, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> int:
+    if dst_dtype == src_dtype:
+        return MODE_COPY
+    if fmt.quant_mode == QuantMode.FP8_PER_TILE:
+        return MODE_DS_MLA
+    return MODE_E4M3 if fmt.fp8_dtype == torch.float8_e4m3fn else MODE_E5M2
+
+
+def triton_not_supported_reasons(src_cache: Tensor, dst: Tensor, kv_cache_dtype: str) -> list[str]:
+    """Why `gather_triton` cannot serve these tensors (empty list: it can)."""
+    why: list[str] = []
+    if triton is None:
+        why.append(f"triton is not importable ({_TRITON_IMPORT_ERROR})")
+    if _interpreting():
+        if src_cache.device.type != "cpu" or dst.device.type != "cpu":
+            why.append("TRITON_INTERPRET is set: tensors must be on the CPU")
+    elif src_cache.device.type != "cuda" or dst.device.type != "cuda":
+        why.append("tensors are not on CUDA (and TRITON_INTERPRET is not set)")
+    if src_cache.device != dst.device:
+        why.append(f"src_cache is on {src_cache.device} but dst on {dst.device}")
+    try:
+        fmt = get_format(kv_cache_dtype)
+    except ValueError as exc:
+        return why + [str(exc)]
+    if src_cache.dim() != 3 or dst.dim() != 2:
+        return why + ["src_cache must be [num_blocks, block_size, entry] and dst [T, E]"]
+    entry, width = src_cache.shape[2], dst.shape[1]
+    if fmt.is_native:
+        if src_cache.dtype not in _NATIVE_SRCS:
+            why.append(f"native cache dtype {src_cache.dtype} is not bf16/fp16/fp32")
+        if dst.dtype != src_cache.dtype:
+            why.append(f"a native {src_cache.dtype} cache gathers only into {src_cache.dtype}")
+    else:
+        if src_cache.dtype != torch.uint8:
+            why.append(f"fp8 cache must be uint8 bytes, got {src_cache.dtype}")
+        if dst.dtype not in _FLOAT_DSTS + (torch.uint8,):
+            why.append(f"dst dtype {dst.dtype} is not bf16/fp16/fp32 (or uint8 raw bytes)")
+    decoding = fmt.quant_mode == QuantMode.FP8_PER_TILE and dst.dtype != src_cache.dtype
+    if decoding:
+        if entry != DsMla.ENTRY_BYTES or width > DsMla.LATENT_DIM + DsMla.ROPE_DIM:
+            why.append(f"fp8_ds_mla needs entry {DsMla.ENTRY_BYTES} and dst width <= 576; "
+                       f"got entry {entry}, width {width}")
+    elif width != entry:
+        why.append(f"dst width {width} differs from the cache entry width {entry}")
+    return why
+
+
+def _i32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def gather_triton(
+    src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int,
+    kv_cache_dtype: str, k_scale: Tensor | None, seq_starts: Tensor | None = None,
+    block_rows: int | None = None,
+) -> Tensor:
+    """dst[cu[r] + i] = dequant(cache token seq_starts[r] + i of request r); returns dst.
+
+    Argument values are not checked here (that is `checks.py`'s job, in the
+    public op); any value is memory-safe. `block_rows` overrides the tile height.
+    """
+    why = triton_not_supported_reasons(src_cache, dst, kv_cache_dtype)
+    if why:
+        raise ValueError("gather_triton: " + "; ".join(why))
+    num_reqs = int(num_reqs)
+    if num_reqs <= 0 or dst.shape[0] == 0 or dst.shape[1] == 0:
+        return dst
+    if cu_seq_lens.numel() < num_reqs + 1:
+        raise ValueError(f"cu_seq_lens: expected at least num_reqs + 1 = {num_reqs + 1} "
+                         f"entries, got {cu_seq_lens.numel()}")
+    if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+        raise ValueError(f"block_table: expected [>= {num_reqs}, max_blocks], "
+                         f"got {tuple(block_table.shape)}")
+    if seq_starts is not None and seq_starts.numel() < num_reqs:
+        raise ValueError(f"seq_starts: expected at least {num_reqs} entries, "
+                         f"got {seq_starts.numel()}")
+    fmt = get_format(kv_cache_dtype)
+    mode = _mode(fmt, src_cache.dtype, dst.dtype)
+    cu = _i32(cu_seq_lens)
+    starts = _i32(seq_starts) if seq_starts is not None else cu
+    if mode in (MODE_E4M3, MODE_E5M2):
+        if k_scale is None or k_scale.numel() < 1:
+            raise ValueError("k_scale: per-tensor fp8 needs a float32 tensor of 1 element")
+        scale = k_scale.to(torch.float32).reshape(-1)
+    else:
+        scale = cu  # unread
+    bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    if block_table.shape[1] == 0:
+        bt = torch.full((num_reqs, 1), -1, dtype=torch.int32, device=dst.device)
+
+    interp = _interpreting()
+    rows = block_rows or (64 if interp else 32)
+    grid = (triton.cdiv(dst.shape[0], rows),)
+    _gather_kernel[grid](
+        src_cache, dst, bt, cu, starts, scale,
+        num_reqs, src_cache.shape[0], src_cache.shape[1], block_table.shape[1],
+        dst.shape[0], dst.shape[1], max(num_reqs.bit_length(), 1),
+        src_cache.stride(0), src_cache.stride(1), src_cache.stride(2),
+        bt.stride(0), bt.stride(1), dst.stride(0), dst.stride(1),
+        MODE=mode, HAS_STARTS=seq_starts is not None,
+        BLOCK_R=rows, BLOCK_C=64, num_warps=4,
+    )
+    return dst
