@@ -14,3 +14,9 @@ import torch  # noqa: F401
 # === Stage: kv_b_proj ===
 
 # === Stage: attention ===
+
+
+@torch.library.register_fake("mla_ext::merge_attn_states")
+def _merge_attn_states_fake(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse):
+    # Mutates `output` (and `output_lse` when given) in place; returns nothing.
+    return None

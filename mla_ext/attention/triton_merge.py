@@ -1,0 +1,84 @@
+"""merge_attn_states as a Triton kernel (SPEC §7); see reference.py for the math.
+
+One program merges BLOCK_R (token, head) rows over the whole (padded) head
+dim. Loads are converted to fp32 immediately: under TRITON_INTERPRET=1 bf16
+arithmetic is silently wrong. Every row's LSEs are loaded before its outputs
+are stored and rows never span programs, so in-place merging is safe.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, out_lse_ptr, p_ptr, p_lse_ptr, s_ptr, s_lse_ptr,
+    num_rows, num_heads, head_size,
+    o_st, o_sh, p_st, p_sh, s_st, s_sh,
+    ol_sh, ol_st, pl_sh, pl_st, sl_sh, sl_st,
+    HAS_OUT_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    rmask = rows < num_rows
+    t = rows // num_heads
+    h = rows % num_heads
+    a = tl.load(p_lse_ptr + h * pl_sh + t * pl_st, mask=rmask, other=float("-inf"))
+    b = tl.load(s_lse_ptr + h * sl_sh + t * sl_st, mask=rmask, other=float("-inf"))
+    a = tl.where(a == float("inf"), float("-inf"), a)
+    b = tl.where(b == float("inf"), float("-inf"), b)
+    m = tl.maximum(a, b)
+    empty = m == float("-inf")
+    m_safe = tl.where(empty, 0.0, m)
+    w1 = tl.exp(a - m_safe)
+    w2 = tl.exp(b - m_safe)
+    denom = tl.where(empty, 1.0, w1 + w2)
+    s1 = w1 / denom
+    s2 = w2 / denom
+
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < head_size
+    # An empty side is never loaded (masked off), so garbage in its o cannot leak.
+    m1 = rmask[:, None] & dmask[None, :] & (s1 > 0)[:, None]
+    m2 = rmask[:, None] & dmask[None, :] & (s2 > 0)[:, None]
+    x1 = tl.load(p_ptr + t[:, None] * p_st + h[:, None] * p_sh + d[None, :], mask=m1, other=0.0).to(tl.float32)
+    x2 = tl.load(s_ptr + t[:, None] * s_st + h[:, None] * s_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    o = s1[:, None] * x1 + s2[:, None] * x2
+    omask = rmask[:, None] & dmask[None, :]
+    tl.store(out_ptr + t[:, None] * o_st + h[:, None] * o_sh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=omask)
+    if HAS_OUT_LSE:
+        lse = tl.where(empty, float("-inf"), m_safe + tl.log(denom))
+        tl.store(out_lse_ptr + h * ol_sh + t * ol_st, lse, mask=rmask)
+
+
+def merge_attn_states_triton(
+    out: torch.Tensor,
+    out_lse: torch.Tensor | None,
+    o1: torch.Tensor,
+    lse1: torch.Tensor,
+    o2: torch.Tensor,
+    lse2: torch.Tensor,
+) -> None:
+    """Writes the merge of (o1, lse1) and (o2, lse2) into out / out_lse.
+
+    Arguments are validated by the caller (api.py); strides are taken as they are.
+    """
+    t, n, d = out.shape
+    rows = t * n
+    if rows == 0:
+        return
+    block_d = triton.next_power_of_2(max(d, 1))
+    # ~4K elements per program: large tiles keep the interpreter fast and
+    # give a GPU enough bytes in flight per program.
+    block_r = max(1, min(triton.next_power_of_2(rows), 4096 // block_d))
+    ol = out_lse if out_lse is not None else lse1  # never written when HAS_OUT_LSE is False
+    grid = (triton.cdiv(rows, block_r),)
+    _merge_kernel[grid](
+        out, ol, o1, lse1, o2, lse2,
+        rows, n, d,
+        out.stride(0), out.stride(1), o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),
+        ol.stride(0), ol.stride(1), lse1.stride(0), lse1.stride(1), lse2.stride(0), lse2.stride(1),
+        HAS_OUT_LSE=out_lse is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+    )

@@ -1,0 +1,180 @@
+"""varlen_attention with LSE for MLA shapes against the fp64 reference.
+
+The reference itself is checked against torch SDPA per request. The Triton
+kernel runs under TRITON_INTERPRET=1 on the CPU here (small shapes, big
+tiles); outputs are NaN-poisoned first so an unwritten row fails.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mla_ext.attention import ATTENTION, varlen_attention
+from mla_ext.attention.reference import varlen_attention_ref
+from mla_ext.attention.triton_attention import varlen_attention_triton
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def rel_frob(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def cu(lens, device="cpu"):
+    out = [0]
+    for x in lens:
+        out.append(out[-1] + x)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def make_qkv(q_lens, k_lens, n, dqk, dv, dtype, device="cpu", seed=0, strided=False):
+    """Random q/k/v; with strided=True, k and v are views laid out the way the
+    MLA path builds them (v a slice of the kv_b_proj output, k a concat)."""
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(q_lens), sum(k_lens)
+    q = torch.randn(tq, n, dqk, generator=g).to(dtype).to(device)
+    if strided:
+        kv = torch.randn(tk, n, (dqk - 16) + dv, generator=g).to(dtype).to(device)  # [k_nope | v]
+        k_pe = torch.randn(tk, 1, 16, generator=g).to(dtype).to(device)
+        k = torch.cat([kv[..., : dqk - 16], k_pe.expand(tk, n, 16)], dim=-1)
+        v = kv[..., dqk - 16 :]
+        assert not v.is_contiguous()
+    else:
+        k = torch.randn(tk, n, dqk, generator=g).to(dtype).to(device)
+        v = torch.randn(tk, n, dv, generator=g).to(dtype).to(device)
+    return q, k, v
+
+
+def check(o, lse, ref_o, ref_lse, dtype):
+    o, lse = o.cpu(), lse.cpu()
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[fin], ref_lse[fin].float(), atol=2e-3 if dtype != torch.float32 else 1e-4)
+    assert (o.transpose(0, 1)[~fin] == 0).all(), "rows with no key must be 0"
+    assert rel_frob(o, ref_o) <= TOL[dtype]
+
+
+def test_reference_matches_sdpa():
+    q_lens, k_lens = [5, 3, 9], [7, 3, 12]
+    n, dqk, dv, scale = 3, 24, 16, 0.37
+    q, k, v = make_qkv(q_lens, k_lens, n, dqk, dv, torch.float64, seed=1)
+    for causal in (False, True):
+        o, lse = varlen_attention_ref(q, k, v, cu(q_lens), cu(k_lens), scale, causal, torch.float64)
+        cq, ck = cu(q_lens).tolist(), cu(k_lens).tolist()
+        for b in range(3):
+            qb = q[cq[b] : cq[b + 1]].transpose(0, 1)
+            kb = k[ck[b] : ck[b + 1]].transpose(0, 1)
+            vb = v[ck[b] : ck[b + 1]].transpose(0, 1)
+            ql, kl = qb.shape[1], kb.shape[1]
+            mask = None
+            if causal:  # bottom-right: i sees j <= i + kl - ql
+                mask = torch.ones(ql, kl, dtype=torch.bool).tril(kl - ql)
+            want = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+            assert torch.allclose(o[cq[b] : cq[b + 1]].transpose(0, 1), want, atol=1e-10)
+            s = (qb @ kb.transpose(1, 2)) * scale
+            if causal:
+                s = s.masked_fill(~mask, -math.inf)
+            assert torch.allclose(lse[:, cq[b] : cq[b + 1]].double(), torch.logsumexp(s, -1), atol=1e-6)
+
+
+# (q_lens, k_lens, causal): empty requests, k_len 0, causal with k_len > q_len
+# (bottom-right) and k_len < q_len (leading rows see no key).
+CASES = [
+    ([17, 0, 70, 3], [40, 5, 70, 0], False),
+    ([17, 70, 3], [17, 70, 3], True),
+    ([5, 33], [20, 90], True),
+    ([12, 4], [5, 0], True),
+]
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (256, 256), (40, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_triton_matches_reference(dims, dtype, case):
+    q_lens, k_lens, causal = CASES[case]
+    dqk, dv = dims
+    n = 2
+    q, k, v = make_qkv(q_lens, k_lens, n, dqk, dv, dtype, seed=case * 7 + dqk, strided=(case % 2 == 1))
+    scale = 1.0 / math.sqrt(dqk)
+    cq, ck = cu(q_lens), cu(k_lens)
+    out = torch.full((q.shape[0], n, dv), float("nan"), dtype=dtype)
+    lse = torch.full((n, q.shape[0]), float("nan"))
+    varlen_attention_triton(q, k, v, cq, ck, max(q_lens), scale, causal, out, lse)
+    ref_o, ref_lse = varlen_attention_ref(q, k, v, cq, ck, scale, causal, torch.float64)
+    check(out, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_api_dispatch_and_return_lse(backend):
+    q_lens, k_lens = [9, 30], [9, 30]
+    q, k, v = make_qkv(q_lens, k_lens, 2, 48, 32, torch.float16, seed=5)
+    with ATTENTION.force(backend):
+        o, lse = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), 30, 30, 0.2, causal=True)
+        only_o = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), 30, 30, 0.2, causal=True, return_lse=False)
+    assert o.dtype == torch.float16 and lse.dtype == torch.float32 and lse.shape == (2, 39)
+    assert torch.equal(o, only_o)
+    ref_o, ref_lse = varlen_attention_ref(q, k, v, cu(q_lens), cu(k_lens), 0.2, True, torch.float64)
+    check(o, lse, ref_o, ref_lse, torch.float16)
+
+
+def test_rows_past_the_last_request_are_empty():
+    q, k, v = make_qkv([6], [6], 2, 16, 16, torch.float32)
+    q = torch.cat([q, torch.randn(3, 2, 16)])  # 3 trailing rows owned by no request
+    o, lse = varlen_attention(q, k, v, cu([6]), cu([6]), 6, 6, 0.25, causal=False)
+    assert (o[6:] == 0).all() and torch.isneginf(lse[:, 6:]).all()
+
+
+def test_chunked_keys_merge_to_full_attention():
+    """SPEC §1: attention over a split key set, merged, equals attention over all keys."""
+    from mla_ext.attention import merge_attn_states
+
+    q_lens, k_lens = [7, 11], [50, 23]
+    q, k, v = make_qkv(q_lens, k_lens, 2, 40, 24, torch.float32, seed=9)
+    full_o, full_lse = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), 11, 50, 0.3, causal=False)
+    # split request 0 at 32 keys, request 1 at 16
+    idx1 = list(range(0, 32)) + list(range(50, 66))
+    idx2 = list(range(32, 50)) + list(range(66, 73))
+    o1, l1 = varlen_attention(q, k[idx1], v[idx1], cu(q_lens), cu([32, 16]), 11, 32, 0.3, causal=False)
+    o2, l2 = varlen_attention(q, k[idx2], v[idx2], cu(q_lens), cu([18, 7]), 11, 18, 0.3, causal=False)
+    o, lse = merge_attn_states(o1, l1, o2, l2)
+    assert rel_frob(o, full_o) < 1e-5 and torch.allclose(lse, full_lse, atol=1e-5)
+
+
+def test_attention_errors_name_the_argument():
+    q, k, v = make_qkv([4], [4], 2, 16, 8, torch.float32)
+    c = cu([4])
+    with pytest.raises(ValueError, match="cu_seqlens_q.*int32"):
+        varlen_attention(q, k, v, c.long(), c, 4, 4, 0.1, False)
+    with pytest.raises(ValueError, match="k: expected head dim 16"):
+        varlen_attention(q, k[..., :8], v, c, c, 4, 4, 0.1, False)
+    with pytest.raises(ValueError, match="v: expected dtype"):
+        varlen_attention(q, k, v.half(), c, c, 4, 4, 0.1, False)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        varlen_attention(q, k, v, c, c, 4, 4, float("nan"), False)
+    with pytest.raises(ValueError, match="cu_seqlens_k: last offset 9 exceeds"):
+        varlen_attention(q, k, v, c, cu([9]), 4, 9, 0.1, False)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        varlen_attention(q, k, v, c, c, 2, 4, 0.1, False)
+    with pytest.raises(ValueError, match="q: the head dim must be contiguous"):
+        varlen_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, c, c, 4, 4, 0.1, False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dims", [(192, 128), (256, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_triton_cuda(dims, dtype, case):
+    q_lens, k_lens, causal = CASES[case]
+    q_lens = [x * 9 for x in q_lens]
+    k_lens = [x * 9 for x in k_lens]
+    dqk, dv = dims
+    q, k, v = make_qkv(q_lens, k_lens, 4, dqk, dv, dtype, device="cuda", seed=case, strided=True)
+    cq, ck = cu(q_lens, "cuda"), cu(k_lens, "cuda")
+    out = torch.full((q.shape[0], 4, dv), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((4, q.shape[0]), float("nan"), device="cuda")
+    varlen_attention_triton(q, k, v, cq, ck, max(q_lens), 0.1, causal, out, lse)
+    ref_o, ref_lse = varlen_attention_ref(q.cpu(), k.cpu(), v.cpu(), cq.cpu(), ck.cpu(), 0.1, causal, torch.float64)
+    check(out, lse, ref_o, ref_lse, dtype)
