@@ -1,0 +1,275 @@
+"""KV-cache pool planning for a whole model under a byte budget (SPEC §4).
+
+Every layer gets the same number of blocks (block ids are shared across
+layers: one block table serves them all), but each layer's page has its own
+size, taken from its resolved `LayerCacheSpec`. So fp8_ds_mla layers (656
+B/token) sit beside skipped bf16 layers (1152 B/token) without any common page
+size, which upstream engines refuse (656 and 1152 do not divide).
+
+The plan also fixes where each layer lives inside one shared byte buffer
+(`LayerPlan.offset`), so `bytes_used` is exactly what `allocate(shared=True)`
+takes and the plan never over-commits the budget either way.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from mla_ext.policy import SLIDING_WINDOW, LayerCacheSpec, resolve_model
+
+# Each layer's region in the shared buffer starts on this boundary, as a
+# separate CUDA allocation would, so kernels keep their aligned vector loads.
+REGION_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer_index: int
+    format_name: str
+    quant_mode: str
+    skip_reason: str | None
+    bytes_per_token: int
+    page_bytes: int  # block stride in bytes (>= block_size * bytes_per_token)
+    shape: tuple[int, int, int]  # [num_blocks, block_size, entry]
+    dtype: torch.dtype
+    bytes: int  # num_blocks * page_bytes
+    offset: int  # byte offset of this layer's region in the shared buffer
+
+    @property
+    def strides(self) -> tuple[int, int, int]:
+        """Element strides of the cache tensor; the block stride covers any page padding."""
+        return (self.page_bytes // self.dtype.itemsize, self.shape[2], 1)
+
+    def row(self) -> tuple:
+        """The fields that make two consecutive layers print as one table row."""
+        return (self.format_name, self.skip_label, self.quant_mode, self.bytes_per_token,
+                self.page_bytes, self.shape, self.dtype, self.bytes)
+
+    @property
+    def skip_label(self) -> str:
+        """Why the layer is native, without its index ("" when not skipped)."""
+        if self.skip_reason is None:
+            return ""
+        return "sliding window" if self.skip_reason == SLIDING_WINDOW else "skip list"
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    num_blocks: int
+    block_size: int
+    layers: tuple[LayerPlan, ...]
+    bytes_used: int
+    budget: int
+    alignment: int | None
+
+    @property
+    def tokens_capacity(self) -> int:
+        """Tokens every layer can hold at once."""
+        return self.num_blocks * self.block_size
+
+    def allocate(self, device="cpu", shared: bool = False) -> list[torch.Tensor]:
+        """Per-layer cache tensors `[num_blocks, B, entry]` in each layer's storage dtype.
+
+        shared=True carves them out of one uint8 buffer of `bytes_used` bytes (views:
+        they share its storage); otherwise each layer is its own allocation. Contents
+        are uninitialised.
+        """
+        if shared:
+            buf = torch.empty(self.bytes_used, dtype=torch.uint8, device=device)
+            return [
+                buf[p.offset: p.offset + p.bytes].view(p.dtype).as_strided(p.shape, p.strides)
+                for p in self.layers
+            ]
+        return [
+            torch.empty(p.bytes // p.dtype.itemsize, dtype=p.dtype, device=device)
+            .as_strided(p.shape, p.strides)
+            for p in self.layers
+        ]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "tokens_capacity": self.tokens_capacity,
+            "bytes_used": self.bytes_used,
+            "budget": self.budget,
+            "alignment": self.alignment,
+            "layers": [
+                {
+                    "layer": p.layer_index,
+                    "format": p.format_name,
+                    "quant_mode": p.quant_mode,
+                    "skip_reason": p.skip_reason,
+                    "bytes_per_token": p.bytes_per_token,
+                    "page_bytes": p.page_bytes,
+                    "shape": list(p.shape),
+                    "strides": list(p.strides),
+                    "dtype": _dtype_name(p.dtype),
+                    "bytes": p.bytes,
+                    "offset": p.offset,
+                }
+                for p in self.layers
+            ],
+        }
+
+    def format_table(self, title: str | None = None) -> str:
+        """A per-layer table; consecutive layers that differ only in index share a row."""
+        head = ("layers", "format", "quant", "B/token", "page B", "cache shape", "dtype",
+                "bytes/layer")
+        rows = []
+        for first, last, p in _group(self.layers):
+            span = str(first) if first == last else f"{first}-{last}"
+            fmt = p.format_name + (f" ({p.skip_label})" if p.skip_label else "")
+            rows.append((span, fmt, p.quant_mode, f"{p.bytes_per_token:,}", f"{p.page_bytes:,}",
+                         "[" + ", ".join(str(d) for d in p.shape) + "]",
+                         _dtype_name(p.dtype), format_bytes(p.bytes)))
+        widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+        line = "  ".join("{:<%d}" % w for w in widths)
+        out = [title] if title else []
+        out.append(line.format(*head).rstrip())
+        out.append("  ".join("-" * w for w in widths))
+        out += [line.format(*r).rstrip() for r in rows]
+        pct = 100.0 * self.bytes_used / self.budget
+        out += [
+            "",
+            f"blocks:          {self.num_blocks:,} of {self.block_size} tokens (shared by "
+            f"{len(self.layers)} layers)",
+            f"token capacity:  {self.tokens_capacity:,}",
+            f"bytes used:      {self.bytes_used:,} ({format_bytes(self.bytes_used)}) of "
+            f"{self.budget:,} ({format_bytes(self.budget)}), {pct:.2f}%",
+        ]
+        return "\n".join(out)
+
+
+def _group(layers):
+    """(first index, last index, plan) for each run of consecutive identical layers."""
+    runs = []
+    for p in layers:
+        if runs and runs[-1][1] + 1 == p.layer_index and runs[-1][2].row() == p.row():
+            runs[-1][1] = p.layer_index
+        else:
+            runs.append([p.layer_index, p.layer_index, p])
+    return [tuple(r) for r in runs]
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _layout(specs, pages, num_blocks):
+    """(offsets, region bytes, total bytes) of every layer in one shared buffer."""
+    offsets, sizes, end = [], [], 0
+    for page in pages:
+        start = _round_up(end, REGION_ALIGN)
+        offsets.append(start)
+        sizes.append(num_blocks * page)
+        end = start + num_blocks * page
+    return offsets, sizes, end
+
+
+def plan_pool(
+    layer_specs, memory_bytes: int, alignment: int | None = None
+) -> PoolPlan:
+    """The most blocks every layer can have within `memory_bytes`.
+
+    `alignment` rounds each layer's page up (the block stride grows; the cache
+    tensor's shape does not). Raises ValueError when not even one block fits.
+    """
+    specs: tuple[LayerCacheSpec, ...] = tuple(layer_specs)
+    if not specs:
+        raise ValueError("layer_specs: expected at least one layer")
+    if not all(isinstance(s, LayerCacheSpec) for s in specs):
+        raise ValueError("layer_specs: expected LayerCacheSpec entries (see policy.resolve_model)")
+    indices = [s.layer_index for s in specs]
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"layer_specs: duplicate layer indices in {indices}")
+    sizes = {s.block_size for s in specs}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"layer_specs: all layers must share one block_size (block ids are shared); "
+            f"got {sorted(sizes)}"
+        )
+    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes <= 0:
+        raise ValueError(f"memory_bytes: expected an integer > 0, got {memory_bytes!r}")
+    pages = [s.page_bytes(alignment) for s in specs]
+    for s, page in zip(specs, pages):
+        if page % s.storage_dtype.itemsize:
+            raise ValueError(
+                f"alignment: {alignment} gives layer {s.layer_index} a {page}-byte page, not a "
+                f"multiple of its {s.storage_dtype} element size"
+            )
+
+    # Padding between regions is under REGION_ALIGN per layer, so the estimate
+    # from the per-block cost is at most a few blocks high; step down to fit.
+    num_blocks = memory_bytes // sum(pages)
+    while num_blocks > 0 and _layout(specs, pages, num_blocks)[2] > memory_bytes:
+        num_blocks -= 1
+    if num_blocks == 0:
+        need = _layout(specs, pages, 1)[2]
+        raise ValueError(
+            f"memory_bytes: {memory_bytes:,} bytes cannot hold even one block for "
+            f"{len(specs)} layers ({need:,} bytes needed)"
+        )
+    offsets, region_bytes, used = _layout(specs, pages, num_blocks)
+    layers = tuple(
+        LayerPlan(
+            layer_index=s.layer_index,
+            format_name=s.format.name,
+            quant_mode=s.quant_mode.name,
+            skip_reason=s.skip_reason,
+            bytes_per_token=s.bytes_per_token,
+            page_bytes=page,
+            shape=s.cache_shape(num_blocks),
+            dtype=s.storage_dtype,
+            bytes=size,
+            offset=off,
+        )
+        for s, page, off, size in zip(specs, pages, offsets, region_bytes)
+    )
+    return PoolPlan(num_blocks, specs[0].block_size, layers, used, memory_bytes, alignment)
+
+
+def plan_model(cache_config, model_config, memory_bytes: int, alignment: int | None = None):
+    """Resolve every layer of `model_config` under `cache_config`, then plan the pool."""
+    return plan_pool(resolve_model(cache_config, model_config), memory_bytes, alignment)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def render_plan(model_config, cache_config, memory_bytes: int, alignment: int | None = None,
+                as_json: bool = False) -> str:
+    """The plan of a whole model as the CLI prints it: a titled table, or JSON with the
+    model and cache config beside the plan. ValueError on any bad input."""
+    m, c = model_config, cache_config
+    plan = plan_model(c, m, memory_bytes, alignment)
+    if as_json:
+        doc = {
+            "model": {"name": m.name, "L": m.L, "R": m.R, "P": m.P, "V": m.V,
+                      "num_heads": m.num_heads, "num_layers": m.num_layers,
+                      "model_dtype": _dtype_name(m.model_dtype),
+                      "max_model_len": m.max_model_len,
+                      "sliding_window_layers": sorted(m.sliding_window_layers)},
+            "cache_config": {"kv_cache_dtype": c.kv_cache_dtype,
+                             "skip_layers": list(c.skip_layers),
+                             "block_size": c.block_size,
+                             "calculate_kv_scales": c.calculate_kv_scales},
+            **plan.to_dict(),
+        }
+        return json.dumps(doc, indent=2)
+    skips = " ".join(str(e) for e in c.skip_layers) or "none"
+    title = (
+        f"{m.name}: L={m.L} R={m.R} layers={m.num_layers} dtype={_dtype_name(m.model_dtype)} | "
+        f"kv_cache_dtype={c.kv_cache_dtype} skip_layers={skips} block_size={c.block_size}"
+    )
+    return plan.format_table(title)

@@ -1,0 +1,266 @@
+"""Per-layer KV-cache policy (SPEC §3): which format each layer's cache uses.
+
+A `CacheConfig` holds what the user asked for (global format, skip list, block
+size, whether to compute per-tensor KV scales). `resolve_layer` turns it into
+one immutable `LayerCacheSpec` per layer, and that spec is the only thing
+downstream code reads: page size, cache allocation, gather kernel choice,
+workspace dtype. The upstream bugs this prevents (the MLA layer ignoring the
+skip list, page sizes from the global dtype, a quantized layer left at quant
+mode NONE, a skipped layer gathered into an fp8 workspace) all came from some
+consumer reading the global dtype string; here no such string reaches them.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+
+import torch
+
+from mla_ext.formats import CacheFormat, QuantMode, ScaleKind, get_format
+from mla_ext.models import MLAModelConfig
+
+SKIP_ARG = "kv_cache_dtype_skip_layers"
+SLIDING_WINDOW = "sliding_window"
+_DECIMAL = re.compile(r"[0-9]+")  # ASCII digits only: "١٢" and " 12" are not layer indices
+
+
+def parse_skip_entry(entry) -> int | str:
+    """One skip-list entry as a layer index (int) or the word `sliding_window`."""
+    if isinstance(entry, bool):
+        raise ValueError(f"{SKIP_ARG}: entry {entry!r} is a bool, expected a layer index "
+                         f"or '{SLIDING_WINDOW}'")
+    if isinstance(entry, str):
+        if entry == SLIDING_WINDOW:
+            return entry
+        if not _DECIMAL.fullmatch(entry):
+            raise ValueError(
+                f"{SKIP_ARG}: entry {entry!r} is not a layer index (decimal digits) "
+                f"nor '{SLIDING_WINDOW}'"
+            )
+        return int(entry)
+    try:
+        index = operator.index(entry)  # ints and numpy integers, not floats
+    except TypeError:
+        raise ValueError(
+            f"{SKIP_ARG}: entry {entry!r} ({type(entry).__name__}) is not a layer index "
+            f"(int or decimal string) nor '{SLIDING_WINDOW}'"
+        ) from None
+    if index < 0:
+        raise ValueError(f"{SKIP_ARG}: entry {entry!r} is negative; layer indices start at 0")
+    return index
+
+
+def layer_index_from_prefix(prefix: str) -> int:
+    """The layer index in a module prefix: `model.layers.12.self_attn.attn` -> 12.
+
+    The prefix must have exactly one all-digit component; with none or several
+    (e.g. an expert index too) the index is ambiguous and the caller must pass it.
+    """
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix: expected a module name (str), got {type(prefix).__name__}")
+    found = [p for p in prefix.split(".") if _DECIMAL.fullmatch(p)]
+    if len(found) != 1:
+        raise ValueError(
+            f"prefix {prefix!r}: expected exactly one integer component (the layer index), "
+            f"found {len(found)}; pass the layer index explicitly"
+        )
+    return int(found[0])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What the user asked for, before it is resolved per layer."""
+
+    kv_cache_dtype: str = "auto"
+    skip_layers: tuple = ()
+    block_size: int = 16
+    calculate_kv_scales: bool = False
+
+    def __post_init__(self):
+        get_format(self.kv_cache_dtype, "kv_cache_dtype")
+        if isinstance(self.skip_layers, (str, bytes)) or not hasattr(self.skip_layers, "__iter__"):
+            raise ValueError(
+                f"{SKIP_ARG}: expected a list of entries, got {self.skip_layers!r}"
+            )
+        entries = tuple(dict.fromkeys(parse_skip_entry(e) for e in self.skip_layers))
+        object.__setattr__(self, "skip_layers", entries)
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+            raise ValueError(f"block_size: expected an integer > 0, got {b!r}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(
+                f"calculate_kv_scales: expected a bool, got {self.calculate_kv_scales!r}"
+            )
+
+    @property
+    def skip_indices(self) -> frozenset:
+        return frozenset(e for e in self.skip_layers if isinstance(e, int))
+
+    @property
+    def skips_sliding_window(self) -> bool:
+        return SLIDING_WINDOW in self.skip_layers
+
+    def check_against(self, model: MLAModelConfig) -> None:
+        """Skip indices must name layers of `model`."""
+        bad = sorted(i for i in self.skip_indices if i >= model.num_layers)
+        if bad:
+            raise ValueError(
+                f"{SKIP_ARG}: layer indices {bad} are out of range for {model.name} "
+                f"(layers 0..{model.num_layers - 1})"
+            )
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    """Everything one layer's cache consumers need; consistent by construction
+    (`__post_init__` rejects a spec whose fields disagree with its format)."""
+
+    layer_index: int
+    format: CacheFormat
+    requested_format: str  # canonical name of the global kv_cache_dtype
+    skipped: bool
+    skip_reason: str | None
+    quant_mode: QuantMode
+    calculate_kv_scales: bool
+    block_size: int
+    model_dtype: torch.dtype
+    L: int
+    R: int
+    storage_dtype: torch.dtype
+    entry_elems: int
+    bytes_per_token: int
+    workspace_dtype: torch.dtype  # dtype the gather writes: model dtype
+
+    def __post_init__(self):
+        f = self.format
+        expect = {
+            "quant_mode": f.quant_mode,
+            "storage_dtype": f.storage_dtype(self.model_dtype),
+            "entry_elems": f.entry_elems(self.L, self.R),
+            "bytes_per_token": f.bytes_per_token(self.L, self.R, self.model_dtype),
+            "workspace_dtype": self.model_dtype,
+        }
+        for arg, want in expect.items():
+            if getattr(self, arg) != want:
+                raise ValueError(
+                    f"layer {self.layer_index}: {arg} {getattr(self, arg)} does not match "
+                    f"format {f.name!r} (expected {want})"
+                )
+        if f.is_native and self.storage_dtype != self.model_dtype:
+            # A native cache holds exactly the model dtype; gathering it into another
+            # dtype would reinterpret bytes (SPEC §2).
+            raise ValueError(
+                f"layer {self.layer_index}: kv_cache_dtype {f.name!r} stores "
+                f"{self.storage_dtype} but the model runs in {self.model_dtype}; a native "
+                "cache must hold the model dtype (use 'auto')"
+            )
+        if self.skipped and (f.is_quantized or self.calculate_kv_scales):
+            raise ValueError(
+                f"layer {self.layer_index}: a skipped layer keeps the native dtype and "
+                f"computes no KV scales; got format {f.name!r}, "
+                f"calculate_kv_scales={self.calculate_kv_scales}"
+            )
+        if self.calculate_kv_scales and f.scale_kind != ScaleKind.PER_TENSOR:
+            raise ValueError(
+                f"layer {self.layer_index}: calculate_kv_scales needs a per-tensor fp8 format, "
+                f"got {f.name!r}"
+            )
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The resolved format name (`auto` for a skipped layer)."""
+        return self.format.name
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.format.is_quantized
+
+    def page_bytes(self, alignment: int | None = None) -> int:
+        """Bytes of one block (SPEC §4), rounded up to `alignment` when given."""
+        raw = self.block_size * self.bytes_per_token
+        if alignment is None:
+            return raw
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
+            raise ValueError(f"alignment: expected an integer > 0 or None, got {alignment!r}")
+        return -(-raw // alignment) * alignment
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        return (num_blocks, self.block_size, self.entry_elems)
+
+
+def _skip_reason(cfg: CacheConfig, model: MLAModelConfig, layer: int) -> str | None:
+    if layer in cfg.skip_indices:
+        return f"layer {layer} in skip list"
+    if cfg.skips_sliding_window and layer in model.sliding_window_layers:
+        return SLIDING_WINDOW
+    return None
+
+
+def _layer_index(model: MLAModelConfig, layer, prefix) -> int:
+    if layer is None and prefix is None:
+        raise ValueError("resolve_layer: pass the layer index (layer=) or a module prefix (prefix=)")
+    if layer is not None:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ValueError(f"layer: expected an integer index, got {layer!r}")
+    from_prefix = None if prefix is None else layer_index_from_prefix(prefix)
+    if layer is not None and from_prefix is not None and layer != from_prefix:
+        raise ValueError(f"layer {layer} disagrees with prefix {prefix!r} (layer {from_prefix})")
+    index = layer if layer is not None else from_prefix
+    if not 0 <= index < model.num_layers:
+        where = f" (from prefix {prefix!r})" if prefix is not None else ""
+        raise ValueError(
+            f"layer {index}{where} is out of range for {model.name} "
+            f"(layers 0..{model.num_layers - 1})"
+        )
+    return index
+
+
+def resolve_layer(
+    cache_config: CacheConfig,
+    model_config: MLAModelConfig,
+    layer: int | None = None,
+    prefix: str | None = None,
+) -> LayerCacheSpec:
+    """The cache spec of one layer, given its index or its module prefix."""
+    cache_config.check_against(model_config)
+    index = _layer_index(model_config, layer, prefix)
+    requested = get_format(cache_config.kv_cache_dtype, "kv_cache_dtype")
+    reason = _skip_reason(cache_config, model_config, index)
+    fmt = get_format("auto") if reason is not None else requested
+    dtype = model_config.model_dtype
+    if not fmt.supports_dims(model_config.L, model_config.R):
+        try:
+            fmt.check_dims(model_config.L, model_config.R)
+        except ValueError as exc:
+            raise ValueError(f"layer {index} of {model_config.name}: {exc}") from None
+    return LayerCacheSpec(
+        layer_index=index,
+        format=fmt,
+        requested_format=requested.name,
+        skipped=reason is not None,
+        skip_reason=reason,
+        quant_mode=fmt.quant_mode,
+        # Only per-tensor fp8 layers have a K scale to compute; fp8_ds_mla stores its
+        # tile scales inside each row and native layers have none.
+        calculate_kv_scales=(
+            cache_config.calculate_kv_scales and fmt.scale_kind == ScaleKind.PER_TENSOR
+        ),
+        block_size=cache_config.block_size,
+        model_dtype=dtype,
+        L=model_config.L,
+        R=model_config.R,
+        storage_dtype=fmt.storage_dtype(dtype),
+        entry_elems=fmt.entry_elems(model_config.L, model_config.R),
+        bytes_per_token=fmt.bytes_per_token(model_config.L, model_config.R, dtype),
+        workspace_dtype=dtype,
+    )
+
+
+def resolve_model(
+    cache_config: CacheConfig, model_config: MLAModelConfig
+) -> tuple[LayerCacheSpec, ...]:
+    """The cache spec of every layer, in layer order."""
+    return tuple(
+        resolve_layer(cache_config, model_config, layer=i) for i in range(model_config.num_layers)
+    )
