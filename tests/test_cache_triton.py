@@ -119,6 +119,13 @@ def test_every_fp8_byte_decodes_exactly(fp8_dtype, fmt):
     dst = torch.full((1, 256), -1.0)
     tg.gather_triton(cache, dst, bt, cu, 1, fmt, torch.tensor([1.0]))
     assert same_bits(dst[0], cache.reshape(256).view(fp8_dtype).float())
+    # A cache typed as fp8 (not uint8) decodes the same, and gathers raw into fp8.
+    dst.fill_(-1.0)
+    tg.gather_triton(cache.view(fp8_dtype), dst, bt, cu, 1, fmt, torch.tensor([1.0]))
+    assert same_bits(dst[0], cache.reshape(256).view(fp8_dtype).float())
+    raw = torch.zeros(1, 256, dtype=fp8_dtype)
+    tg.gather_triton(cache.view(fp8_dtype), raw, bt, cu, 1, fmt, None)
+    assert torch.equal(raw.view(torch.uint8), cache[0])
 
 
 def test_ds_mla_k_pe_and_scales_exact():

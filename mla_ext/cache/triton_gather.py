@@ -180,10 +180,10 @@ def triton_not_supported_reasons(src_cache: Tensor, dst: Tensor, kv_cache_dtype:
         if dst.dtype != src_cache.dtype:
             why.append(f"a native {src_cache.dtype} cache gathers only into {src_cache.dtype}")
     else:
-        if src_cache.dtype != torch.uint8:
-            why.append(f"fp8 cache must be uint8 bytes, got {src_cache.dtype}")
-        if dst.dtype not in _FLOAT_DSTS + (torch.uint8,):
-            why.append(f"dst dtype {dst.dtype} is not bf16/fp16/fp32 (or uint8 raw bytes)")
+        if src_cache.dtype not in (torch.uint8, fmt.fp8_dtype):
+            why.append(f"fp8 cache must be uint8 bytes (or {fmt.fp8_dtype}), got {src_cache.dtype}")
+        if dst.dtype not in _FLOAT_DSTS and dst.dtype != src_cache.dtype:
+            why.append(f"dst dtype {dst.dtype} is not bf16/fp16/fp32 (or the cache's, raw)")
     decoding = fmt.quant_mode == QuantMode.FP8_PER_TILE and dst.dtype != src_cache.dtype
     if decoding:
         if entry != DsMla.ENTRY_BYTES or width > DsMla.LATENT_DIM + DsMla.ROPE_DIM:
@@ -211,9 +211,10 @@ def gather_triton(
     why = triton_not_supported_reasons(src_cache, dst, kv_cache_dtype)
     if why:
         raise ValueError("gather_triton: " + "; ".join(why))
+    out = dst
     num_reqs = int(num_reqs)
     if num_reqs <= 0 or dst.shape[0] == 0 or dst.shape[1] == 0:
-        return dst
+        return out
     if cu_seq_lens.numel() < num_reqs + 1:
         raise ValueError(f"cu_seq_lens: expected at least num_reqs + 1 = {num_reqs + 1} "
                          f"entries, got {cu_seq_lens.numel()}")
@@ -225,6 +226,11 @@ def gather_triton(
                          f"got {seq_starts.numel()}")
     fmt = get_format(kv_cache_dtype)
     mode = _mode(fmt, src_cache.dtype, dst.dtype)
+    if src_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        # Work on the bytes: Triton's fp8 pointer types do not exist before sm_89.
+        if dst.dtype == src_cache.dtype:
+            dst = dst.view(torch.uint8)
+        src_cache = src_cache.view(torch.uint8)
     cu = _i32(cu_seq_lens)
     starts = _i32(seq_starts) if seq_starts is not None else cu
     if mode in (MODE_E4M3, MODE_E5M2):
@@ -249,4 +255,4 @@ def gather_triton(
         MODE=mode, HAS_STARTS=seq_starts is not None,
         BLOCK_R=rows, BLOCK_C=64, num_warps=4,
     )
-    return dst
+    return out
