@@ -223,3 +223,21 @@ def test_merge_cuda(backend, dtype, shape):
     with MERGE.force(backend):
         merge_attn_states(p, la, o2, lse2, out=p, out_lse=la)
     check_against_ref(p, la, o1, lse1, o2, lse2, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_merge_cpu_rounds_like_torch(dtype):
+    """With equal LSEs the merge is (x1 + x2) / 2 rounded once from fp32, so the
+    C++ kernel's hand-written 16-bit conversions must match torch's casts bit
+    for bit, including subnormals, overflow to inf and ties."""
+    g = torch.Generator().manual_seed(1)
+    mags = torch.tensor([1e-7, 3e-6, 6e-5, 1e-3, 1.0, 300.0, 6.5e4, 1e30])
+    x1 = (torch.randn(64, 2, 40, generator=g) * mags[torch.randint(0, 8, (64, 2, 40), generator=g)])
+    x2 = (torch.randn(64, 2, 40, generator=g) * mags[torch.randint(0, 8, (64, 2, 40), generator=g)])
+    o1, o2 = x1.to(dtype), x2.to(dtype)
+    lse = torch.zeros(2, 64)
+    want = (0.5 * o1.float() + 0.5 * o2.float()).to(dtype)
+    with MERGE.force("cpu"):
+        got, _ = merge_attn_states(o1, lse, o2, lse)
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    assert same.all(), f"{(~same).sum()} elements differ, e.g. {got[~same][:4]} vs {want[~same][:4]}"

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 
 from mla_ext.attention import ATTENTION, varlen_attention
 from mla_ext.attention.reference import varlen_attention_ref
@@ -105,6 +106,39 @@ def test_triton_matches_reference(dims, dtype, case):
     varlen_attention_triton(q, k, v, cq, ck, max(q_lens), scale, causal, out, lse)
     ref_o, ref_lse = varlen_attention_ref(q, k, v, cq, ck, scale, causal, torch.float64)
     check(out, lse, ref_o, ref_lse, dtype)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1, max_size=4),
+    dims=st.sampled_from([(192, 128), (24, 40), (8, 8), (100, 60)]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_property_in_guarded_views(lens, dims, causal, seed):
+    """Random request lengths (incl. empty) and head dims; o and lse are views
+    inside GUARD-filled buffers that must stay untouched outside them."""
+    q_lens, k_lens = [a for a, _ in lens], [b for _, b in lens]
+    dqk, dv = dims
+    n = 2
+    q, k, v = make_qkv(q_lens, k_lens, n, dqk, dv, torch.float32, seed=seed)
+    tq = q.shape[0]
+    big_o = torch.full((tq + 2, n, dv + 9), 1234.5)
+    out = big_o[1 : tq + 1, :, 4 : 4 + dv]
+    out.fill_(float("nan"))
+    big_l = torch.full((n + 2, tq + 5), 1234.5)
+    lse = big_l[1 : n + 1, 2 : 2 + tq]
+    lse.fill_(float("nan"))
+    cq, ck = cu(q_lens), cu(k_lens)
+    varlen_attention_triton(q, k, v, cq, ck, max(q_lens), 0.2, causal, out, lse)
+    ref_o, ref_lse = varlen_attention_ref(q, k, v, cq, ck, 0.2, causal, torch.float64)
+    if tq:
+        check(out, lse, ref_o, ref_lse, torch.float32)
+    keep_o = torch.ones_like(big_o, dtype=torch.bool)
+    keep_o[1 : tq + 1, :, 4 : 4 + dv] = False
+    keep_l = torch.ones_like(big_l, dtype=torch.bool)
+    keep_l[1 : n + 1, 2 : 2 + tq] = False
+    assert (big_o[keep_o] == 1234.5).all() and (big_l[keep_l] == 1234.5).all()
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
