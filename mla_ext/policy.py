@@ -155,6 +155,11 @@ class LayerCacheSpec:
                 f"{self.storage_dtype} but the model runs in {self.model_dtype}; a native "
                 "cache must hold the model dtype (use 'auto')"
             )
+        if self.skipped != (self.skip_reason is not None):
+            raise ValueError(
+                f"layer {self.layer_index}: skipped={self.skipped} needs a skip_reason exactly "
+                f"when skipped; got {self.skip_reason!r}"
+            )
         if self.skipped and (f.is_quantized or self.calculate_kv_scales):
             raise ValueError(
                 f"layer {self.layer_index}: a skipped layer keeps the native dtype and "

@@ -263,6 +263,7 @@ def test_resolve_model_is_per_layer_and_immutable():
     (dict(workspace_dtype=torch.uint8), "workspace_dtype"),
     (dict(skipped=True, skip_reason="x"), "skipped layer"),
     (dict(calculate_kv_scales=True), "calculate_kv_scales"),
+    (dict(skip_reason="layer 2 in skip list"), "skip_reason"),
 ])
 def test_inconsistent_spec_is_rejected(change, match):
     s = resolve_layer(CacheConfig("fp8_ds_mla"), V3, layer=2)
@@ -274,6 +275,8 @@ def test_skipped_spec_cannot_compute_scales():
     s = resolve_layer(CacheConfig("fp8", skip_layers=[2]), V3, layer=2)
     with pytest.raises(ValueError, match="skipped layer"):
         dataclasses.replace(s, calculate_kv_scales=True)
+    with pytest.raises(ValueError, match="skip_reason"):
+        dataclasses.replace(s, skip_reason=None)
 
 
 def test_spec_rejects_foreign_native_dtype():
