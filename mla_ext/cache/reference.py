@@ -73,7 +73,7 @@ def encode_ds_mla_row(kv_c: Tensor, k_pe: Tensor) -> Tensor:
     tiles = kv_c.float().reshape(T, DsMla.NUM_TILES, DsMla.TILE_SIZE) / scales[:, :, None]
     q = tiles.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     out = torch.zeros(T, DsMla.ENTRY_BYTES, dtype=torch.uint8)
-    out[:, DsMla.LATENT_OFFSET : DsMla.LATENT_OFFSET + DsMla.LATENT_DIM] = q.reshape(T, -1)
+    out[:, DsMla.LATENT_OFFSET : DsMla.LATENT_OFFSET + DsMla.LATENT_DIM] = q.reshape(T, DsMla.LATENT_DIM)
     out[:, DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET] = scales.contiguous().view(torch.uint8)
     if k_pe.shape[-1]:
         rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
@@ -87,7 +87,7 @@ def decode_ds_mla_row(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     T = rows.shape[0]
     scales = rows[:, DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET].contiguous().view(torch.float32)
     vals = dequantize_fp8_bytes(rows[:, DsMla.LATENT_OFFSET : DsMla.LATENT_DIM], torch.float8_e4m3fn)
-    kv_c = (vals.reshape(T, DsMla.NUM_TILES, DsMla.TILE_SIZE) * scales[:, :, None]).reshape(T, -1)
+    kv_c = (vals.reshape(T, DsMla.NUM_TILES, DsMla.TILE_SIZE) * scales[:, :, None]).reshape(T, DsMla.LATENT_DIM)
     k_pe = rows[:, DsMla.ROPE_OFFSET :].contiguous().view(torch.bfloat16)
     return kv_c, k_pe, scales
 

@@ -1,0 +1,285 @@
+"""Public paged latent cache ops (SPEC §2, §6) over the backend dispatcher.
+
+Ops (argument order as the upstream engine's ops of the same names):
+  concat_and_cache_mla            write new tokens into the cache
+  gather_and_maybe_dequant_cache  gather context rows into dst, dequantizing
+  cp_gather_cache                 gather raw bytes (fp8 passthrough, context parallel)
+  compute_kv_scale                per-tensor K scale from the data
+
+Backends, in priority order: "cuda" (csrc/cache/*.cu), "cpu"
+(csrc/cache/cache_cpu.cpp), "triton" (gathers only,
+mla_ext/cache/triton_gather.py). Each
+states why it cannot serve an input; `explain(...)` and `backend_report()`
+show the choice, `GATHER.force("triton")` or MLA_EXT_FORCE_GATHER=triton
+forces one.
+
+Out-of-range policy (every backend; see csrc/cache/cache_kernels.h):
+  * gather: a row whose token lies in a logical block past the block table's
+    width, or whose block id is outside [0, num_blocks), is written as ZERO and
+    nothing is read for it. Rows of dst outside [cu_seq_lens[0],
+    cu_seq_lens[num_reqs]) are untouched; no row past dst.size(0) is written.
+  * write: tokens whose slot is negative (-1 = padding) or >= num_blocks *
+    block_size are skipped.
+  * `validate=True` reads the index tensors on the host (a sync; not for CUDA
+    graphs) and raises ValueError naming the request and the block (or the
+    token and the slot) instead.
+  * k_scale must be finite and > 0: checked whenever it is on the CPU (free),
+    and on a GPU only with validate=True (reading it there would sync).
+  * num_reqs may be smaller than cu_seq_lens.numel() - 1 (extra entries are
+    ignored) but never larger; block_table needs >= num_reqs rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mla_ext import _ext
+from mla_ext.cache import checks
+from mla_ext.dispatch import Backend, Dispatcher
+from mla_ext.formats import QuantMode, get_format
+
+
+@dataclass(frozen=True)
+class GatherInputs:
+    src_cache: Tensor
+    dst: Tensor
+    block_table: Tensor
+    cu_seq_lens: Tensor
+    num_reqs: int
+    kv_cache_dtype: str | None  # None: cp_gather_cache (raw bytes)
+    k_scale: Tensor | None
+    seq_starts: Tensor | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.src_cache.device
+
+
+@dataclass(frozen=True)
+class TensorInputs:
+    """Inputs of the write / kv-scale ops (only the device matters for the choice)."""
+
+    args: tuple
+
+    @property
+    def device(self) -> torch.device:
+        return self.args[0].device
+
+
+# -- backend reasons ---------------------------------------------------------
+
+def _ext_reasons() -> list[str]:
+    return [] if _ext.available() else [str(_ext.load_error())]
+
+
+def _cuda_reasons(inp) -> list[str]:
+    why = _ext_reasons()
+    if why:
+        return why
+    if inp.device.type != "cuda":
+        return [f"tensors are on {inp.device}, not CUDA"]
+    ok, reason = _ext.cuda_kernels_usable()
+    return [] if ok else [reason]
+
+
+def _cpu_reasons(inp) -> list[str]:
+    why = _ext_reasons()
+    if inp.device.type != "cpu":
+        why.append(f"tensors are on {inp.device}, not the CPU")
+    return why
+
+
+def _raw_format_name(cache: Tensor) -> str:
+    """A format whose raw (same-dtype) gather the Triton kernel accepts for this cache."""
+    if cache.dtype == torch.float8_e5m2:
+        return "fp8_e5m2"
+    return "fp8" if cache.element_size() == 1 else "auto"
+
+
+def _triton_reasons(inp: GatherInputs) -> list[str]:
+    try:
+        from mla_ext.cache import triton_gather
+    except ImportError as exc:  # the module or triton itself is missing
+        return [f"the Triton gather cannot be imported ({exc})"]
+    name = inp.kv_cache_dtype if inp.kv_cache_dtype is not None else _raw_format_name(inp.src_cache)
+    return triton_gather.triton_not_supported_reasons(inp.src_cache, inp.dst, name)
+
+
+def _run_triton(inp: GatherInputs) -> None:
+    from mla_ext.cache import triton_gather
+
+    name = inp.kv_cache_dtype if inp.kv_cache_dtype is not None else _raw_format_name(inp.src_cache)
+    triton_gather.gather_triton(
+        inp.src_cache, inp.dst, inp.block_table, inp.cu_seq_lens, inp.num_reqs, name,
+        inp.k_scale, inp.seq_starts,
+    )
+
+
+def _run_compiled_gather(inp: GatherInputs) -> None:
+    ops = _ext.ops()
+    if inp.kv_cache_dtype is None:
+        ops.cp_gather_cache(inp.src_cache, inp.dst, inp.block_table, inp.cu_seq_lens, inp.num_reqs,
+                            inp.seq_starts)
+    else:
+        ops.gather_and_maybe_dequant_cache(
+            inp.src_cache, inp.dst, inp.block_table, inp.cu_seq_lens, inp.num_reqs,
+            inp.kv_cache_dtype, inp.k_scale, inp.seq_starts,
+        )
+
+
+def _run_write(inp: TensorInputs) -> None:
+    _ext.ops().concat_and_cache_mla(*inp.args)
+
+
+def _run_kv_scale(inp: TensorInputs) -> Tensor:
+    return _ext.ops().compute_kv_scale(*inp.args)
+
+
+# CPU before Triton: on CPU tensors Triton only runs under its (slow)
+# interpreter, which tests reach with GATHER.force("triton"); on a GPU the
+# CPU backend refuses and Triton serves when the CUDA kernels cannot.
+GATHER = Dispatcher("gather", [
+    Backend("cuda", _cuda_reasons, _run_compiled_gather),
+    Backend("cpu", _cpu_reasons, _run_compiled_gather),
+    Backend("triton", _triton_reasons, _run_triton),
+])
+WRITE = Dispatcher("write", [
+    Backend("cuda", _cuda_reasons, _run_write),
+    Backend("cpu", _cpu_reasons, _run_write),
+])
+KV_SCALE = Dispatcher("kv_scale", [
+    Backend("cuda", _cuda_reasons, _run_kv_scale),
+    Backend("cpu", _cpu_reasons, _run_kv_scale),
+])
+
+
+# -- public ops --------------------------------------------------------------
+
+def _check_scale(k_scale: Tensor, fmt, validate: bool) -> None:
+    if fmt.quant_mode == QuantMode.FP8_PER_TENSOR and (validate or k_scale.device.type == "cpu"):
+        checks.check_scale_value(k_scale)
+
+
+def concat_and_cache_mla(
+    kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor, kv_cache_dtype: str,
+    k_scale: Tensor, *, validate: bool = False,
+) -> None:
+    """Writes token t of (kv_c [T, L], k_pe [T, R]) into kv_cache at slot_mapping[t].
+
+    Slot -1 (padding) is skipped. fp8/fp8_e4m3/fp8_e5m2 store saturate(x / k_scale);
+    fp8_ds_mla stores power-of-two tile scales and bf16 k_pe (SPEC §2); native
+    formats copy (kv_c must have the cache's dtype). See the module docstring
+    for the out-of-range policy and `validate`.
+    """
+    fmt = checks.validate_write_args(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+    _check_scale(k_scale, fmt, validate)
+    if validate:
+        checks.check_slots(slot_mapping, kv_cache.size(0) * kv_cache.size(1))
+    WRITE(TensorInputs((kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)))
+
+
+def _validate_gather_ids(info, block_table, cu_seq_lens, num_reqs, seq_starts) -> None:
+    checks.check_block_ids(block_table, cu_seq_lens, num_reqs, seq_starts, info.num_blocks, info.block_size)
+
+
+def gather_and_maybe_dequant_cache(
+    src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int,
+    kv_cache_dtype: str, k_scale: Tensor, seq_starts: Tensor | None = None, *,
+    validate: bool = False,
+) -> Tensor:
+    """dst[cu_seq_lens[r] + i] = dequant(cached token seq_starts[r] + i of request r); returns dst.
+
+    dst is bf16/fp16/fp32 (dequantized), or the cache's own dtype (native copy,
+    fp8 raw passthrough). A native cache gathered into another dtype raises.
+    fp8_ds_mla dequantizes to 576 (R=64) or 512 (R=0) columns. Any seq_starts
+    alignment, arbitrary block/entry strides. Never syncs the host unless
+    validate=True.
+    """
+    info = checks.validate_gather_args(
+        src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale, seq_starts
+    )
+    if not info.raw:
+        _check_scale(k_scale, info.fmt, validate)
+    if validate:
+        _validate_gather_ids(info, block_table, cu_seq_lens, num_reqs, seq_starts)
+    GATHER(GatherInputs(src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale,
+                        seq_starts))
+    return dst
+
+
+def cp_gather_cache(
+    src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int,
+    seq_starts: Tensor | None = None, *, validate: bool = False,
+) -> Tensor:
+    """Raw gather: the rows of gather_and_maybe_dequant_cache, bytes unchanged; returns dst."""
+    info = checks.validate_cp_gather_args(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts)
+    if validate:
+        _validate_gather_ids(info, block_table, cu_seq_lens, num_reqs, seq_starts)
+    GATHER(GatherInputs(src_cache, dst, block_table, cu_seq_lens, num_reqs, None, None, seq_starts))
+    return dst
+
+
+def compute_kv_scale(kv_c: Tensor, k_pe: Tensor, kv_cache_dtype: str) -> Tensor:
+    """Per-tensor K scale [1] float32 = max(amax(|kv_c|, |k_pe|) / fp8 max, 1e-12).
+
+    Non-finite values are ignored, so the scale is always finite and > 0.
+    fp8_ds_mla has no per-tensor scale (its tile scales live in the rows): 1.0.
+    Native formats raise ValueError: a skipped / unquantized layer computes none.
+    """
+    fmt = get_format(kv_cache_dtype)
+    if fmt.quant_mode == QuantMode.NONE:
+        raise ValueError(
+            f"kv_cache_dtype: layer is not quantized ({fmt.name!r}); it computes no KV scale"
+        )
+    for t, name in ((kv_c, "kv_c"), (k_pe, "k_pe")):
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype not in checks.NATIVE_DTYPES:
+            raise ValueError(f"{name}: expected a 2-D bf16/fp16/fp32 tensor")
+    if k_pe.dtype != kv_c.dtype or k_pe.size(0) != kv_c.size(0) or k_pe.device != kv_c.device:
+        raise ValueError(
+            f"k_pe: expected {kv_c.size(0)} rows of {kv_c.dtype} on {kv_c.device} (as kv_c), got "
+            f"{k_pe.size(0)} rows of {k_pe.dtype} on {k_pe.device}"
+        )
+    return KV_SCALE(TensorInputs((kv_c, k_pe, kv_cache_dtype)))
+
+
+# -- introspection -----------------------------------------------------------
+
+def _probe_inputs(device: torch.device) -> dict[str, object]:
+    """Tiny representative inputs per op on `device` (fp8 cache, bf16 dst)."""
+    cache = torch.zeros(2, 16, 576, dtype=torch.uint8, device=device)
+    dst = torch.zeros(16, 576, dtype=torch.bfloat16, device=device)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
+    scale = torch.ones(1, dtype=torch.float32, device=device)
+    kv_c = torch.zeros(1, 512, dtype=torch.bfloat16, device=device)
+    k_pe = torch.zeros(1, 64, dtype=torch.bfloat16, device=device)
+    slots = torch.zeros(1, dtype=torch.int64, device=device)
+    return {
+        "gather": (GATHER, GatherInputs(cache, dst, bt, cu, 1, "fp8", scale, None)),
+        "cp_gather": (GATHER, GatherInputs(cache, torch.zeros_like(cache[0]), bt, cu, 1, None, None, None)),
+        "write": (WRITE, TensorInputs((kv_c, k_pe, cache, slots, "fp8", scale))),
+        "kv_scale": (KV_SCALE, TensorInputs((kv_c, k_pe, "fp8"))),
+    }
+
+
+def backend_report(device: str | torch.device | None = None) -> list[tuple[str, str, list[str]]]:
+    """[(op, backend, reasons)] for probe inputs on `device` (default: CUDA if visible, else CPU).
+
+    An empty reasons list means the backend can serve the op there.
+    """
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    out = []
+    for op, (disp, inp) in _probe_inputs(dev).items():
+        for b in disp.backends:
+            out.append((op, b.name, b.not_supported_reasons(inp)))
+    return out
+
+
+def explain(op: str, inputs) -> str:
+    """Which backend serves `inputs` for op 'gather' | 'write' | 'kv_scale', and why not the others."""
+    disp = {"gather": GATHER, "cp_gather": GATHER, "write": WRITE, "kv_scale": KV_SCALE}[op]
+    return disp.explain(inputs)
