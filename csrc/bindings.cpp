@@ -478,6 +478,213 @@ TORCH_LIBRARY_IMPL(mla_ext, CUDA, m) {
 // Stage: kv_b_proj (Marlin FP8 repack / GEMM)
 // ===========================================================================
 
+#include <cmath>
+#include <tuple>
+
+#include "kv_b_proj/marlin_fp8.h"
+
+namespace mla_ext {
+namespace {
+namespace mf = marlin_fp8;
+
+mf::ActKind marlin_act_kind(c10::ScalarType t, const char* arg) {
+  TORCH_CHECK_VALUE(t == at::kBFloat16 || t == at::kHalf, arg,
+                    ": expected torch.bfloat16 or torch.float16, got ", t);
+  return t == at::kHalf ? mf::ActKind::kFp16 : mf::ActKind::kBf16;
+}
+
+void marlin_check_shape(int64_t N, int64_t K, int64_t group_size) {
+  TORCH_CHECK_VALUE(N > 0, "N: expected > 0, got ", N);
+  TORCH_CHECK_VALUE(K > 0 && K % mf::kTileK == 0, "K: expected a positive multiple of 16, got ", K);
+  TORCH_CHECK_VALUE(group_size == -1 || group_size == mf::kGroupSize,
+                    "group_size: expected -1 (per-channel) or 128, got ", group_size);
+  TORCH_CHECK_VALUE(group_size == -1 || K % mf::kGroupSize == 0,
+                    "K: expected a multiple of 128 with group_size=128, got ", K);
+}
+
+int64_t marlin_groups(int64_t K, int64_t group_size) { return group_size > 0 ? K / group_size : 1; }
+
+void marlin_check_aligned16(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, arg,
+                    ": expected a 16-byte aligned data pointer (cp.async)");
+}
+
+// The packed pair as written by marlin_fp8_repack; checked before every read.
+void marlin_check_packed(const at::Tensor& qweight, const at::Tensor& scales, int64_t N, int64_t K,
+                         int64_t group_size) {
+  marlin_check_shape(N, K, group_size);
+  const int64_t n_pad = mf::padded_n(N), G = marlin_groups(K, group_size);
+  TORCH_CHECK_VALUE(qweight.scalar_type() == at::kInt, "qweight: expected torch.int32, got ",
+                    qweight.scalar_type());
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.size(0) == n_pad / mf::kTileN && qweight.size(1) == 16 * K,
+                    "qweight: expected shape [", n_pad / mf::kTileN, ", ", 16 * K, "], got ", qweight.sizes());
+  TORCH_CHECK_VALUE(qweight.is_contiguous(), "qweight: expected a contiguous tensor");
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat, "scales: expected torch.float32, got ",
+                    scales.scalar_type());
+  TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == G && scales.size(1) == n_pad,
+                    "scales: expected packed shape [", G, ", ", n_pad, "], got ", scales.sizes());
+  TORCH_CHECK_VALUE(scales.is_contiguous(), "scales: expected a contiguous tensor");
+  TORCH_CHECK_VALUE(scales.device() == qweight.device(), "scales: expected device ", qweight.device(),
+                    " (as qweight), got ", scales.device());
+}
+
+// fp8 [N, K] + fp32 scales ([N] per-channel, or [K/128, N] group-128) ->
+// (qweight int32 [N_pad/64, 16K], scales fp32 [G, N_pad] permuted, 2^fold folded).
+// Validation syncs the host once; this runs at weight-load time, not per step.
+std::tuple<at::Tensor, at::Tensor> marlin_fp8_repack(const at::Tensor& w, const at::Tensor& scales,
+                                                     int64_t group_size, c10::ScalarType act_dtype) {
+  const mf::ActKind act = marlin_act_kind(act_dtype, "act_dtype");
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat8_e4m3fn, "w_fp8: expected torch.float8_e4m3fn, got ",
+                    w.scalar_type());
+  TORCH_CHECK_VALUE(w.dim() == 2, "w_fp8: expected shape [N, K], got ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  marlin_check_shape(N, K, group_size);
+  const int64_t G = marlin_groups(K, group_size), n_pad = mf::padded_n(N);
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat, "scales: expected torch.float32, got ",
+                    scales.scalar_type());
+  TORCH_CHECK_VALUE(scales.device() == w.device(), "scales: expected device ", w.device(), " (as w_fp8), got ",
+                    scales.device());
+  if (group_size == -1) {
+    TORCH_CHECK_VALUE(scales.dim() == 1 && scales.size(0) == N, "scales: expected per-channel shape [", N,
+                      "] for group_size=-1, got ", scales.sizes());
+  } else {
+    TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == G && scales.size(1) == N,
+                      "scales: expected shape [K/128, N] = [", G, ", ", N, "] for group_size=128, got ",
+                      scales.sizes());
+  }
+  const at::Tensor wc = w.contiguous().view(at::kByte);
+  const at::Tensor sc = scales.reshape({G, N}).contiguous();
+  TORCH_CHECK_VALUE(!wc.bitwise_and(0x7f).eq(0x7f).any().item<bool>(), "w_fp8: contains NaN (0x7f/0xff); ",
+                    "NaN weights are not supported by the Marlin fp8 path");
+  TORCH_CHECK_VALUE(sc.isfinite().all().item<bool>(), "scales: expected finite values");
+  const double fold = std::ldexp(1.0, mf::fold_log2(act));
+  TORCH_CHECK_VALUE((sc.abs() * fold).isfinite().all().item<bool>(),
+                    "scales: scale * 2^", mf::fold_log2(act), " (the exponent bias folded for ", act_dtype,
+                    ") overflows float32; expected |scale| < ", std::ldexp(1.0, 128 - mf::fold_log2(act)));
+
+  at::Tensor qweight = at::empty({n_pad / mf::kTileN, 16 * K}, wc.options().dtype(at::kInt));
+  at::Tensor sp = at::empty({G, n_pad}, sc.options());
+  mf::RepackParams p{};
+  p.w = wc.data_ptr<uint8_t>();
+  p.ldw = K;
+  p.scales = sc.data_ptr<float>();
+  p.N = N, p.K = K, p.G = G, p.act = act;
+  p.qweight = reinterpret_cast<uint32_t*>(qweight.data_ptr<int32_t>());
+  p.scales_out = sp.data_ptr<float>();
+  if (w.is_cpu()) {
+    mf::marlin_fp8_repack_cpu(p);
+  } else {
+#ifdef MLA_EXT_WITH_CUDA
+    TORCH_CHECK_VALUE(w.is_cuda(), "w_fp8: expected a CPU or CUDA tensor, got ", w.device());
+    c10::cuda::CUDAGuard guard(w.device());
+    mf::marlin_fp8_repack_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+#else
+    TORCH_CHECK_VALUE(false, "w_fp8: expected a CPU tensor (built without CUDA), got ", w.device());
+#endif
+  }
+  return {qweight, sp};
+}
+
+// The packed weight decoded back to fp32 [N, K] (decode x scale), reading qweight.
+at::Tensor marlin_fp8_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t N, int64_t K,
+                                 int64_t group_size, c10::ScalarType act_dtype) {
+  const mf::ActKind act = marlin_act_kind(act_dtype, "act_dtype");
+  marlin_check_packed(qweight, scales, N, K, group_size);
+  at::Tensor out = at::empty({N, K}, scales.options());
+  mf::DequantParams p{};
+  p.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
+  p.scales = scales.data_ptr<float>();
+  p.N = N, p.K = K, p.group_size = group_size, p.act = act;
+  p.out = out.data_ptr<float>();
+  if (qweight.is_cpu()) {
+    mf::marlin_fp8_dequantize_cpu(p);
+  } else {
+#ifdef MLA_EXT_WITH_CUDA
+    TORCH_CHECK_VALUE(qweight.is_cuda(), "qweight: expected a CPU or CUDA tensor, got ", qweight.device());
+    c10::cuda::CUDAGuard guard(qweight.device());
+    mf::marlin_fp8_dequantize_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+#else
+    TORCH_CHECK_VALUE(false, "qweight: expected a CPU tensor (built without CUDA), got ", qweight.device());
+#endif
+  }
+  return out;
+}
+
+// C[M, N] = a[M, K] · dequant(W)^T. `a` may be a row-strided view (stride(0) >= K,
+// stride(1) == 1). CPU: the packed-layout reference; CUDA: the mma.sync kernel.
+at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Tensor& scales, int64_t N,
+                           int64_t K, int64_t group_size, c10::ScalarType act_dtype,
+                           std::optional<c10::ScalarType> out_dtype) {
+  const mf::ActKind act = marlin_act_kind(act_dtype, "act_dtype");
+  marlin_check_packed(qweight, scales, N, K, group_size);
+  TORCH_CHECK_VALUE(a.scalar_type() == act_dtype, "a: expected dtype ", act_dtype,
+                    " (the dtype the weight was packed for), got ", a.scalar_type());
+  TORCH_CHECK_VALUE(a.dim() == 2 && a.size(1) == K, "a: expected shape [M, ", K, "], got ", a.sizes());
+  TORCH_CHECK_VALUE(a.stride(1) == 1, "a: expected a contiguous last dim (stride 1), got stride ", a.stride(1));
+  TORCH_CHECK_VALUE(a.device() == qweight.device(), "a: expected device ", qweight.device(),
+                    " (as qweight), got ", a.device());
+  const c10::ScalarType odt = out_dtype.value_or(act_dtype);
+  TORCH_CHECK_VALUE(odt == at::kBFloat16 || odt == at::kHalf || odt == at::kFloat,
+                    "out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got ", odt);
+  const int64_t M = a.size(0);
+  mf::GemmParams p{};
+  p.a = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  p.lda = M > 1 ? a.stride(0) : K;
+  p.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
+  p.scales = scales.data_ptr<float>();
+  p.M = M, p.N = N, p.K = K, p.group_size = group_size, p.act = act;
+  if (a.is_cpu()) {
+    at::Tensor c = at::empty({M, N}, a.options().dtype(at::kFloat));
+    p.c = c.data_ptr<float>();
+    p.ldc = N;
+    p.out = mf::OutKind::kFp32;
+    if (M > 0) mf::marlin_fp8_gemm_cpu(p);
+    return c.to(odt);
+  }
+#ifdef MLA_EXT_WITH_CUDA
+  TORCH_CHECK_VALUE(a.is_cuda(), "a: expected a CPU or CUDA tensor, got ", a.device());
+  TORCH_CHECK_VALUE(M <= 1 || a.stride(0) % 8 == 0, "a: expected a row stride that is a multiple of 8 ",
+                    "elements (16-byte rows for cp.async), got ", a.stride(0));
+  marlin_check_aligned16(a, "a");
+  marlin_check_aligned16(qweight, "qweight");
+  marlin_check_aligned16(scales, "scales");
+  at::Tensor c = at::empty({M, N}, a.options().dtype(odt));
+  p.c = c.data_ptr();
+  p.ldc = N;
+  p.out = odt == at::kFloat ? mf::OutKind::kFp32 : (odt == at::kHalf ? mf::OutKind::kFp16 : mf::OutKind::kBf16);
+  c10::cuda::CUDAGuard guard(a.device());
+  mf::marlin_fp8_gemm_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+  return c;
+#else
+  TORCH_CHECK_VALUE(false, "a: expected a CPU tensor (built without CUDA), got ", a.device());
+#endif
+}
+
+}  // namespace
+}  // namespace mla_ext
+
+TORCH_LIBRARY_FRAGMENT(mla_ext, m) {
+  m.def("marlin_fp8_repack(Tensor w_fp8, Tensor scales, int group_size, ScalarType act_dtype) -> (Tensor, Tensor)");
+  m.def("marlin_fp8_dequantize(Tensor qweight, Tensor scales, int N, int K, int group_size, "
+        "ScalarType act_dtype) -> Tensor");
+  m.def("marlin_fp8_gemm(Tensor a, Tensor qweight, Tensor scales, int N, int K, int group_size, "
+        "ScalarType act_dtype, ScalarType? out_dtype=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mla_ext, CPU, m) {
+  m.impl("marlin_fp8_repack", &mla_ext::marlin_fp8_repack);
+  m.impl("marlin_fp8_dequantize", &mla_ext::marlin_fp8_dequantize);
+  m.impl("marlin_fp8_gemm", &mla_ext::marlin_fp8_gemm);
+}
+
+#ifdef MLA_EXT_WITH_CUDA
+TORCH_LIBRARY_IMPL(mla_ext, CUDA, m) {
+  m.impl("marlin_fp8_repack", &mla_ext::marlin_fp8_repack);
+  m.impl("marlin_fp8_dequantize", &mla_ext::marlin_fp8_dequantize);
+  m.impl("marlin_fp8_gemm", &mla_ext::marlin_fp8_gemm);
+}
+#endif
+
 // ===========================================================================
 // Stage: attention (merge_attn_states)
 // ===========================================================================

@@ -36,6 +36,29 @@ def _compute_kv_scale_fake(kv_c, k_pe, kv_cache_dtype):
 
 # === Stage: kv_b_proj ===
 
+
+def _marlin_padded_n(n):
+    return (n + 63) // 64 * 64
+
+
+@torch.library.register_fake("mla_ext::marlin_fp8_repack")
+def _marlin_fp8_repack_fake(w_fp8, scales, group_size, act_dtype):
+    n, k = w_fp8.shape
+    groups = k // 128 if group_size > 0 else 1
+    qweight = w_fp8.new_empty((_marlin_padded_n(n) // 64, 16 * k), dtype=torch.int32)
+    return qweight, scales.new_empty((groups, _marlin_padded_n(n)), dtype=torch.float32)
+
+
+@torch.library.register_fake("mla_ext::marlin_fp8_dequantize")
+def _marlin_fp8_dequantize_fake(qweight, scales, N, K, group_size, act_dtype):
+    return scales.new_empty((N, K), dtype=torch.float32)
+
+
+@torch.library.register_fake("mla_ext::marlin_fp8_gemm")
+def _marlin_fp8_gemm_fake(a, qweight, scales, N, K, group_size, act_dtype, out_dtype=None):
+    return a.new_empty((a.shape[0], N), dtype=out_dtype or act_dtype)
+
+
 # === Stage: attention ===
 
 

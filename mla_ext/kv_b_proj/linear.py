@@ -1,0 +1,386 @@
+"""`KvBProj`: the kv_b_proj layer, dispatching by (weight format, GPU capability, M).
+
+Backends, in priority order (the first one with no reasons serves the call):
+- marlin_w8a16     Marlin fp8 weight-only GEMM (sm_75+), while M <= MARLIN_MAX_M
+- triton_w4a16     NVFP4 dequant-in-kernel GEMM (sm_80+), while M <= W4A16_MAX_M
+- triton_fp8_block block-scaled fp8 W8A8 GEMM (native fp8 dot: sm_89+)
+- scaled_mm_fp8    per-tensor / per-channel fp8 through torch._scaled_mm (sm_89+)
+- dequant_dense    dequantize once (cached per layer, per dtype and device),
+                   then a 16-bit GEMM (cuBLAS on a GPU); serves everything.
+Weight-only kernels only win while the GEMM is memory-bound (small M); at
+prefill M (thousands of rows, K=512) the GEMM is compute-bound and a
+dequantize-once 16-bit GEMM (or native fp8) is faster.
+
+On the CPU only `dequant_dense` is chosen automatically; the Triton kernels
+(through TRITON_INTERPRET=1), the Marlin packed-layout CPU reference and CPU
+`_scaled_mm` run there only when forced (`DISPATCH.force(name)` or
+MLA_EXT_FORCE_KV_B_PROJ=name), which is how the tests exercise them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mla_ext.dispatch import Backend, Dispatcher
+from mla_ext.kv_b_proj import weights as W
+from mla_ext.kv_b_proj.input_dtype import FP8_DTYPES
+
+OP = "kv_b_proj"
+
+# M thresholds. PROVISIONAL: no GPU was available when they were written.
+# Replace them with the crossover M that `benchmarks/bench_kv_b_proj.py`
+# prints on the target GPU (DeepSeek-V3 shapes, K=512, N=4,096 and 32,768).
+# Sources for the provisional values:
+# - Marlin (int4) vs torch GEMM by batch, vllm PR #2497: 1.47x at M=64, 1.01x
+#   at M=128, 0.60-0.74x at M>=256 (prior-art.md §2.1). fp8 Marlin moves half
+#   the bytes int4 would save, so its crossover is at or below that one.
+MARLIN_MAX_M = 128
+# - Our Triton W4A16 kernel is a plain dequant-in-kernel GEMM with no split-K
+#   or Marlin-style pipelining; assumed to cross over earlier than Marlin.
+W4A16_MAX_M = 64
+# - Native fp8 reads half the weight bytes of bf16 and has twice the
+#   tensor-core rate on sm_89+, so it is assumed never to lose; set a minimum
+#   M here if the benchmark shows the activation-quantization overhead losing
+#   to dequant + bf16 cuBLAS at small M.
+FP8_NATIVE_MIN_M = 1
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+@dataclass
+class KvBProjInputs:
+    """What the backends decide on; `x` is None for `explain(M)` without data."""
+
+    layer: "KvBProj"
+    M: int
+    device: torch.device
+    capability: tuple[int, int] | None
+    act_dtype: torch.dtype
+    x: torch.Tensor | None = None
+    x_scale: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+
+def _forced(name: str) -> bool:
+    return DISPATCH._forced_name() == name
+
+
+def _gpu_reasons(name: str, inp: KvBProjInputs, min_cap: tuple[int, int], cpu_ok: str | None) -> list[str]:
+    """Device/capability reasons. `cpu_ok`: how the backend can run on a CPU when forced."""
+    if inp.device.type == "cpu":
+        if cpu_ok is None:
+            return ["needs a CUDA device (input is on the CPU)"]
+        if not _forced(name):
+            return [f"input is on the CPU: {cpu_ok} runs there only when this backend is forced"]
+        if cpu_ok.startswith("the Triton interpreter") and os.environ.get("TRITON_INTERPRET") != "1":
+            return ["input is on the CPU and TRITON_INTERPRET is not 1"]
+        return []
+    if inp.device.type != "cuda":
+        return [f"unsupported device type {inp.device.type!r}"]
+    cap = inp.capability or (0, 0)
+    if cap < min_cap:
+        return [f"needs sm_{min_cap[0]}{min_cap[1]}+, device is sm_{cap[0]}{cap[1]}"]
+    return []
+
+
+def _above(name: str, inp: KvBProjInputs, what: str, limit: int) -> list[str]:
+    """The M threshold is a performance choice: forcing the backend (tests,
+    benchmarks measuring the crossover) overrides it; capability limits stay."""
+    if inp.M > limit and not _forced(name):
+        return [f"M={inp.M} > {what}={limit} (compute-bound: dequantize + 16-bit GEMM wins)"]
+    return []
+
+
+def _format_reason(inp: KvBProjInputs, cls) -> list[str]:
+    fmt = inp.layer.weight_format
+    return [] if isinstance(fmt, cls) else [f"weight format is {fmt.name}, not {cls.name}"]
+
+
+def _x_unit_stride(inp: KvBProjInputs) -> list[str]:
+    x = inp.x
+    if x is not None and x.shape[1] > 1 and x.stride(1) != 1:
+        return [f"x must have unit stride along K, got strides {x.stride()}"]
+    return []
+
+
+# -- marlin_w8a16 ------------------------------------------------------------
+
+def _marlin_module():
+    try:
+        from mla_ext.kv_b_proj import marlin
+    except ImportError as exc:
+        return None, f"mla_ext.kv_b_proj.marlin is not available ({exc})"
+    return marlin, ""
+
+
+def _marlin_reasons(inp: KvBProjInputs) -> list[str]:
+    why = _format_reason(inp, W.MarlinFp8Weight)
+    if why:
+        return why
+    why = _gpu_reasons("marlin_w8a16", inp, (7, 5), "the Marlin packed-layout CPU reference")
+    why += _above("marlin_w8a16", inp, "MARLIN_MAX_M", MARLIN_MAX_M)
+    if inp.act_dtype != inp.layer.params_dtype:
+        why.append(f"activation dtype must be {inp.layer.params_dtype} (packed for it), got {inp.act_dtype}")
+    marlin, err = _marlin_module()
+    if marlin is None:
+        why.append(err)
+    elif inp.x is not None and not why:
+        why.extend(marlin.marlin_not_supported_reasons(inp.x, inp.layer.weight_format.packed))
+    return why
+
+
+def _marlin_run(inp: KvBProjInputs) -> torch.Tensor:
+    from mla_ext.kv_b_proj.marlin import marlin_fp8_gemm
+
+    return _into(marlin_fp8_gemm(inp.x, inp.layer.weight_format.packed, out_dtype=inp.layer.params_dtype), inp)
+
+
+# -- triton_w4a16 ------------------------------------------------------------
+
+def _w4a16_reasons(inp: KvBProjInputs) -> list[str]:
+    why = _format_reason(inp, W.Nvfp4Weight)
+    if why:
+        return why
+    why = _gpu_reasons("triton_w4a16", inp, (8, 0), "the Triton interpreter")
+    why += _above("triton_w4a16", inp, "W4A16_MAX_M", W4A16_MAX_M)
+    if inp.act_dtype not in W.ACT_DTYPES:
+        why.append(f"activation dtype must be bf16 or fp16 (W4A16), got {inp.act_dtype}")
+    return why + _x_unit_stride(inp)
+
+
+def _w4a16_run(inp: KvBProjInputs) -> torch.Tensor:
+    from mla_ext.kv_b_proj.triton_w4a16 import nvfp4_w4a16_matmul
+
+    f = inp.layer.weight_format
+    return nvfp4_w4a16_matmul(inp.x, f.weight, f.weight_scale, f.weight_scale_2, out=inp.out)
+
+
+# -- triton_fp8_block --------------------------------------------------------
+
+def _fp8_native_m(inp: KvBProjInputs) -> list[str]:
+    if inp.M < FP8_NATIVE_MIN_M and not _forced("triton_fp8_block") and not _forced("scaled_mm_fp8"):
+        return [f"M={inp.M} < FP8_NATIVE_MIN_M={FP8_NATIVE_MIN_M} (dequantize + 16-bit GEMM wins)"]
+    return []
+
+
+def _fp8_block_reasons(inp: KvBProjInputs) -> list[str]:
+    why = _format_reason(inp, W.Fp8BlockWeight)
+    if why:
+        return why
+    why = _gpu_reasons("triton_fp8_block", inp, (8, 9), "the Triton interpreter")
+    if inp.act_dtype not in W.FLOAT_DTYPES + (torch.float8_e4m3fn,):
+        why.append(f"activation dtype must be bf16/fp16/fp32 or float8_e4m3fn, got {inp.act_dtype}")
+    return why + _fp8_native_m(inp) + _x_unit_stride(inp)
+
+
+def _fp8_block_run(inp: KvBProjInputs) -> torch.Tensor:
+    from mla_ext.kv_b_proj.triton_fp8_block import fp8_block_linear
+
+    f = inp.layer.weight_format
+    return fp8_block_linear(inp.x, f.weight, f.weight_scale_inv, inp.layer.params_dtype, out=inp.out,
+                            x_scale=inp.x_scale)
+
+
+# -- scaled_mm_fp8 -----------------------------------------------------------
+
+def _scaled_mm_reasons(inp: KvBProjInputs) -> list[str]:
+    why = _format_reason(inp, W.Fp8Weight)
+    if why:
+        return why
+    why = _gpu_reasons("scaled_mm_fp8", inp, (8, 9), "CPU torch._scaled_mm")
+    if not hasattr(torch, "_scaled_mm"):
+        why.append("torch._scaled_mm is missing from this torch build")
+    f = inp.layer.weight_format
+    # cuBLAS fp8 GEMMs need 16-aligned N and K.
+    if f.N % 16 or f.K % 16:
+        why.append(f"N={f.N} and K={f.K} must be multiples of 16 (cuBLAS fp8)")
+    # Row-wise scaled_mm produces bf16 only.
+    if inp.layer.params_dtype != torch.bfloat16:
+        why.append(f"row-wise torch._scaled_mm outputs bf16 only; params_dtype is {inp.layer.params_dtype}")
+    if inp.act_dtype not in W.FLOAT_DTYPES + (torch.float8_e4m3fn,):
+        why.append(f"activation dtype must be bf16/fp16/fp32 or float8_e4m3fn, got {inp.act_dtype}")
+    return why + _fp8_native_m(inp) + _x_unit_stride(inp)
+
+
+def _scaled_mm_run(inp: KvBProjInputs) -> torch.Tensor:
+    from mla_ext.kv_b_proj import quant
+
+    f = inp.layer.weight_format
+    x = inp.x
+    m = x.shape[0]
+    if x.dtype == torch.float8_e4m3fn:
+        s = torch.ones(1, device=x.device) if inp.x_scale is None else inp.x_scale.float().reshape(1)
+        xq, xs = x.contiguous(), s.expand(m, 1).contiguous()
+    else:
+        # Per-token (row-wise) dynamic quantization: one group spanning K.
+        amax = x.float().abs().amax(dim=1, keepdim=True).clamp(min=quant.EPS)
+        xs = amax / 448.0
+        xq = (x.float() / xs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    ws = f.channel_scales().view(1, -1)
+    y = torch._scaled_mm(xq, f.weight.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+    return _into(y, inp)
+
+
+# -- dequant_dense -----------------------------------------------------------
+
+def _dense_reasons(inp: KvBProjInputs) -> list[str]:
+    if inp.act_dtype not in W.FLOAT_DTYPES + FP8_DTYPES:
+        return [f"activation dtype must be a float or fp8 dtype, got {inp.act_dtype}"]
+    return []
+
+
+def _dense_run(inp: KvBProjInputs) -> torch.Tensor:
+    layer = inp.layer
+    x = inp.x
+    if x.dtype in FP8_DTYPES:
+        s = 1.0 if inp.x_scale is None else inp.x_scale.float().reshape(())
+        x = (x.float() * s).to(layer.params_dtype)
+    w = layer.dense_weight(layer.params_dtype, x.device)
+    if inp.out is not None:
+        return torch.matmul(x, w.t(), out=inp.out)
+    return x @ w.t()
+
+
+def _into(y: torch.Tensor, inp: KvBProjInputs) -> torch.Tensor:
+    y = y.to(inp.layer.params_dtype)
+    if inp.out is None:
+        return y
+    inp.out.copy_(y)
+    return inp.out
+
+
+DISPATCH = Dispatcher(OP, [
+    Backend("marlin_w8a16", _marlin_reasons, _marlin_run),
+    Backend("triton_w4a16", _w4a16_reasons, _w4a16_run),
+    Backend("triton_fp8_block", _fp8_block_reasons, _fp8_block_run),
+    Backend("scaled_mm_fp8", _scaled_mm_reasons, _scaled_mm_run),
+    Backend("dequant_dense", _dense_reasons, _dense_run),
+])
+
+
+class KvBProj:
+    """kv_b_proj up-projection: y [M, N] = x [M, K] @ W^T, W in any weight format.
+
+    Exposes `.weight` (the stored tensor, absent for weight-only integer
+    formats) and `.params_dtype`, like an upstream layer, so
+    `kv_b_proj_input_dtype(layer, ...)` applies to it unchanged.
+    """
+
+    def __init__(self, weight_format: W.WeightFormat):
+        if not isinstance(weight_format, W.WeightFormat):
+            raise ValueError(f"weight_format must be one of {[c.__name__ for c in W.ALL_FORMATS]}, "
+                             f"got {type(weight_format).__name__}")
+        self.weight_format = weight_format
+        self.params_dtype = weight_format.params_dtype
+        self.N, self.K = weight_format.N, weight_format.K
+        self._dense_cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    @property
+    def weight(self) -> torch.Tensor:
+        w = getattr(self.weight_format, "weight", None)
+        if w is None:
+            raise AttributeError(f"{self.weight_format.name} weights have no .weight (use qweight/scales)")
+        return w
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight_format.device
+
+    def to(self, device) -> "KvBProj":
+        return KvBProj(self.weight_format.to(device))
+
+    def dense_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The dequantized [N, K] weight, computed once per (dtype, device) and cached."""
+        key = (dtype, torch.device(device))
+        w = self._dense_cache.get(key)
+        if w is None:
+            f = self.weight_format
+            if isinstance(f, W.DenseWeight) and f.weight.dtype == dtype:
+                w = f.weight
+            else:
+                w = f.dequantize(dtype)
+            self._dense_cache[key] = w = w.to(device)
+        return w
+
+    def _inputs(self, M: int, device, act_dtype, x=None, x_scale=None, out=None) -> KvBProjInputs:
+        device = torch.device(device)
+        return KvBProjInputs(self, M, device, _capability(device), act_dtype, x, x_scale, out)
+
+    def _check(self, x: torch.Tensor, x_scale, out) -> None:
+        if x.dim() != 2 or x.shape[1] != self.K:
+            raise ValueError(f"x must be 2-D [M, K={self.K}], got shape {tuple(x.shape)}")
+        if x.dtype in FP8_DTYPES:
+            if not isinstance(self.weight_format, (W.Fp8Weight, W.Fp8BlockWeight)):
+                raise ValueError(f"x is {x.dtype} but {self.weight_format.name} weights take "
+                                 f"{self.params_dtype} activations (see kv_b_proj_input_dtype)")
+        elif x.dtype != self.params_dtype:
+            raise ValueError(f"x dtype must be {self.params_dtype} (the layer's params dtype) or fp8 for "
+                             f"fp8 weights, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"x must be on {self.device}, got {x.device}")
+        if x_scale is not None and (x_scale.numel() != 1 or not x_scale.dtype.is_floating_point):
+            raise ValueError(f"x_scale must be a one-element float tensor, got {x_scale.dtype} {tuple(x_scale.shape)}")
+        if out is not None and (tuple(out.shape) != (x.shape[0], self.N) or out.dtype != self.params_dtype
+                                or out.device != x.device or out.stride(1) != 1):
+            raise ValueError(f"out must be {self.params_dtype} [{x.shape[0]}, {self.N}] on {x.device} "
+                             f"with unit column stride, got {out.dtype} {tuple(out.shape)}")
+
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] in params_dtype (or fp8 for fp8 weights, scaled by the per-tensor
+        `x_scale`, default 1). The row stride may exceed K: `workspace[:, :L]` works."""
+        self._check(x, x_scale, out)
+        if x.shape[0] == 0:
+            return out if out is not None else torch.empty((0, self.N), dtype=self.params_dtype, device=x.device)
+        return DISPATCH(self._inputs(x.shape[0], x.device, x.dtype, x, x_scale, out))
+
+    __call__ = forward
+
+    def backend_for(self, M: int, device=None, act_dtype: torch.dtype | None = None) -> str:
+        return DISPATCH.choose(self._inputs(M, device or self.device, act_dtype or self.params_dtype)).name
+
+    def explain(self, M: int, device=None, act_dtype: torch.dtype | None = None) -> str:
+        """Which backend serves M rows, and why every other one does not."""
+        device = torch.device(device or self.device)
+        cap = _capability(device)
+        head = (f"{self.weight_format.describe()} on {device}"
+                + (f" (sm_{cap[0]}{cap[1]})" if cap else "") + f", M={M}")
+        return head + "\n" + DISPATCH.explain(self._inputs(M, device, act_dtype or self.params_dtype))
+
+
+# -- machine-level report for the `info` CLI ----------------------------------
+
+_NEEDS = {
+    "marlin_w8a16": (7, 5),
+    "triton_w4a16": (8, 0),
+    "triton_fp8_block": (8, 9),
+    "scaled_mm_fp8": (8, 9),
+}
+
+
+def backend_report() -> list[tuple[str, str, list[str]]]:
+    """[(op, backend, reasons)] about THIS machine (not about an input)."""
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    rows = []
+    for b in DISPATCH.backends:
+        why: list[str] = []
+        need = _NEEDS.get(b.name)
+        if need is not None:
+            if cap is None:
+                why.append("no CUDA device visible (CPU only when forced)")
+            elif cap < need:
+                why.append(f"needs sm_{need[0]}{need[1]}+, device is sm_{cap[0]}{cap[1]}")
+        if b.name == "marlin_w8a16":
+            mod, err = _marlin_module()
+            if mod is None:
+                why.append(err)
+        if b.name == "scaled_mm_fp8" and not hasattr(torch, "_scaled_mm"):
+            why.append("torch._scaled_mm is missing from this torch build")
+        rows.append((OP, b.name, why))
+    return rows
