@@ -316,3 +316,27 @@ def test_cuda_gemm_graph_capturable():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act", ACT)
+@pytest.mark.parametrize("k", [16, 48, 1024])
+def test_cuda_gemm_short_and_long_k(act, k):
+    """K=16/48: some warps own no k-tile and the pipeline never fills; K=1024 wraps it often."""
+    n, m = 136, 19
+    w, s, gen = _case(n, k, -1, seed=k)
+    p = marlin_fp8_repack(w.cuda(), s.cuda(), act)
+    a = torch.randn(m, k, generator=gen).to(act)
+    want = marlin_fp8_gemm(a, marlin_fp8_repack(w, s, act), out_dtype=torch.float32)
+    got = marlin_fp8_gemm(a.cuda(), p, out_dtype=torch.float32).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("k", [16, 48])
+def test_gemm_cpu_short_k(k):
+    w, s, gen = _case(72, k, -1, seed=k)
+    p = marlin_fp8_repack(w, s, torch.bfloat16)
+    a = torch.randn(5, k, generator=gen).to(torch.bfloat16)
+    ref = a.float() @ _ref_weight(w, s, -1).t()
+    out = marlin_fp8_gemm(a, p, out_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
