@@ -1,0 +1,288 @@
+"""`MLAPrefill`: one MLA layer's prefill-with-context (SPEC §1), routed per layer.
+
+Everything that depends on what the layer *is* is resolved once, in
+`__init__`, from the layer's own spec (mla_ext.policy.LayerCacheSpec) and its
+kv_b_proj weights, never from a global cache dtype:
+
+  * the cache format (a skipped layer resolves to `auto`: native, no scales),
+  * the gather path (dequantize into the model dtype, or a plain native copy),
+  * the workspace dtype and rows (SPEC §8),
+  * the kv_b_proj activation dtype (SPEC §5, `kv_b_proj_input_dtype`),
+  * whether the layer computes a per-tensor K scale.
+
+`forward` then runs SPEC §1: causal attention of the new tokens, the context
+in chunks (gather -> up-project -> non-causal attention with LSE -> merge),
+and the final merge. `explain()` prints the resolved plan.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mla_ext.attention.api import merge_attn_states, varlen_attention
+from mla_ext.cache import api as cache_api
+from mla_ext.formats import QuantMode, ScaleKind
+from mla_ext.kv_b_proj.input_dtype import kv_b_proj_input_dtype
+from mla_ext.kv_b_proj.linear import KvBProj
+from mla_ext.kv_b_proj.weights import WeightFormat
+from mla_ext.models import MLAModelConfig
+from mla_ext.policy import CacheConfig, LayerCacheSpec, resolve_layer
+from mla_ext.prefill.chunking import ChunkPlan, plan_context_chunks, workspace_rows
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class PrefillMetadata:
+    """Per-batch inputs shared by every layer of a forward pass.
+
+    block_table [num_reqs, max_blocks] int32 (block ids, shared by all layers);
+    context_lens / query_lens: host lists (the scheduler knows them; planning
+    chunks needs no device sync). k_scale: fp32 [1] per-tensor K scale for
+    per-tensor fp8 layers (ignored by others).
+    """
+
+    block_table: Tensor
+    context_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    k_scale: Tensor | None = None
+    _plans: dict = field(default_factory=dict, repr=False)
+    _cu_q: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.context_lens = tuple(int(x) for x in self.context_lens)
+        self.query_lens = tuple(int(x) for x in self.query_lens)
+        if len(self.context_lens) != len(self.query_lens):
+            raise ValueError(
+                f"query_lens: expected {len(self.context_lens)} entries (as context_lens), "
+                f"got {len(self.query_lens)}"
+            )
+        bt = self.block_table
+        if not isinstance(bt, Tensor) or bt.dim() != 2 or bt.dtype != torch.int32:
+            raise ValueError("block_table: expected an int32 tensor [num_reqs, max_blocks]")
+        if bt.size(0) < len(self.context_lens):
+            raise ValueError(
+                f"block_table: expected >= {len(self.context_lens)} rows (one per request), "
+                f"got {bt.size(0)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def plan(self, rows: int, alignment: int) -> ChunkPlan:
+        """The chunk plan for a workspace of `rows` (cached: layers share it)."""
+        key = (rows, alignment)
+        if key not in self._plans:
+            self._plans[key] = plan_context_chunks(self.context_lens, self.query_lens, rows, alignment)
+        return self._plans[key]
+
+    def cu_seqlens_q(self, device) -> Tensor:
+        device = torch.device(device)
+        if device not in self._cu_q:
+            offs = [0]
+            for n in self.query_lens:
+                offs.append(offs[-1] + n)
+            self._cu_q[device] = torch.tensor(offs, dtype=torch.int32).to(device)
+        return self._cu_q[device]
+
+
+class MLAPrefill:
+    """Prefill-with-context for one MLA layer."""
+
+    def __init__(
+        self,
+        model: MLAModelConfig,
+        cache_config: CacheConfig,
+        kv_b_proj: KvBProj | WeightFormat,
+        *,
+        layer: int | None = None,
+        prefix: str | None = None,
+        use_fp8_prefill: bool = False,
+        max_num_seqs: int = 256,
+        workspace_rows_override: int | None = None,
+        softmax_scale: float | None = None,
+    ):
+        self.model = model
+        self.spec: LayerCacheSpec = resolve_layer(cache_config, model, layer=layer, prefix=prefix)
+        self.kv_b_proj = kv_b_proj if isinstance(kv_b_proj, KvBProj) else KvBProj(kv_b_proj)
+        want_n = model.num_heads * (model.P + model.V)
+        if (self.kv_b_proj.N, self.kv_b_proj.K) != (want_n, model.L):
+            raise ValueError(
+                f"kv_b_proj: expected a [{want_n}, {model.L}] weight (N*(P+V), L) for "
+                f"{model.name}, got [{self.kv_b_proj.N}, {self.kv_b_proj.K}]"
+            )
+        self.use_fp8_prefill = bool(use_fp8_prefill)
+        # SPEC §5: a pure function of the layer. None means "no cast": the
+        # activations stay in the model dtype (the linear quantizes itself).
+        self.kv_b_proj_input_dtype = kv_b_proj_input_dtype(self.kv_b_proj, self.use_fp8_prefill)
+        self.workspace_dtype = self.spec.workspace_dtype
+        self.workspace_rows = workspace_rows(
+            model.max_model_len, max_num_seqs, self.spec.block_size, override=workspace_rows_override
+        )
+        self.softmax_scale = (
+            float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(model.P + model.R)
+        )
+
+    # -- plan ----------------------------------------------------------------
+    @property
+    def layer_index(self) -> int:
+        return self.spec.layer_index
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.spec.kv_cache_dtype
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype kv_b_proj actually receives."""
+        return self.kv_b_proj_input_dtype or self.model.model_dtype
+
+    def explain(self, device: torch.device | str | None = None) -> str:
+        """The resolved per-layer plan, one fact per line."""
+        s = self.spec
+        device = torch.device(device) if device is not None else self.kv_b_proj.device
+        why = f" (skipped: {s.skip_reason})" if s.skipped else ""
+        lines = [
+            f"layer {s.layer_index}: kv_cache_dtype={s.kv_cache_dtype}{why}, "
+            f"quant_mode={s.quant_mode.name}, calculate_kv_scales={s.calculate_kv_scales}",
+            f"  cache: {s.bytes_per_token} B/token, page {s.page_bytes()} B (block {s.block_size}), "
+            f"entry [{s.entry_elems}] {s.storage_dtype}",
+            f"  gather: {'dequantize ' + s.format.name + ' ->' if s.is_quantized else 'native copy ->'} "
+            f"{self.workspace_dtype} workspace [{self.workspace_rows}, {self.model.L + self.model.R}]",
+            f"  kv_b_proj: {self.kv_b_proj.weight_format.describe()}; input dtype "
+            f"{self.activation_dtype} (fp8 prefill {'on' if self.use_fp8_prefill else 'off'})",
+        ]
+        try:
+            backend = self.kv_b_proj.backend_for(self.workspace_rows, device, self._linear_act_dtype())
+        except ValueError as exc:
+            backend = f"none ({exc})"
+        lines.append(f"  kv_b_proj backend at M={self.workspace_rows} on {device}: {backend}")
+        return "\n".join(lines)
+
+    def _linear_act_dtype(self) -> torch.dtype:
+        return self.activation_dtype
+
+    # -- cache writes --------------------------------------------------------
+    def compute_kv_scale(self, kv_c: Tensor, k_pe: Tensor) -> Tensor | None:
+        """The per-tensor K scale for this layer, or None when it computes none
+        (skipped/native layers, fp8_ds_mla, calculate_kv_scales off)."""
+        if not self.spec.calculate_kv_scales or self.spec.format.scale_kind != ScaleKind.PER_TENSOR:
+            return None
+        return cache_api.compute_kv_scale(kv_c, k_pe, self.spec.kv_cache_dtype)
+
+    def write_cache(self, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                    k_scale: Tensor | None = None) -> None:
+        """Stores new tokens in this layer's cache, in this layer's format."""
+        self.check_cache(kv_cache)
+        scale = self._k_scale(k_scale, kv_c.device)
+        cache_api.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, self.spec.kv_cache_dtype, scale)
+
+    def check_cache(self, kv_cache: Tensor) -> None:
+        s = self.spec
+        if not isinstance(kv_cache, Tensor) or kv_cache.dim() != 3:
+            raise ValueError("kv_cache: expected a [num_blocks, block_size, entry] tensor")
+        ok_dtypes = {s.storage_dtype}
+        if s.is_quantized:
+            ok_dtypes |= {torch.uint8, s.format.fp8_dtype}
+        if kv_cache.dtype not in ok_dtypes or tuple(kv_cache.shape[1:]) != (s.block_size, s.entry_elems):
+            raise ValueError(
+                f"kv_cache: layer {s.layer_index} ({s.kv_cache_dtype}) expects "
+                f"[num_blocks, {s.block_size}, {s.entry_elems}] {s.storage_dtype}, got "
+                f"{tuple(kv_cache.shape)} {kv_cache.dtype}"
+            )
+
+    def _k_scale(self, k_scale: Tensor | None, device) -> Tensor:
+        if self.spec.quant_mode == QuantMode.FP8_PER_TENSOR:
+            if k_scale is None:
+                raise ValueError(
+                    f"k_scale: layer {self.layer_index} ({self.kv_cache_dtype}) needs a per-tensor "
+                    "fp32 K scale [1]"
+                )
+            return k_scale
+        # Unscaled formats: the ops take a scale argument for signature
+        # compatibility and ignore it.
+        return torch.ones(1, dtype=torch.float32, device=device)
+
+    # -- forward -------------------------------------------------------------
+    def _up_project(self, kv_c: Tensor) -> tuple[Tensor, Tensor]:
+        """kv_c [M, L] (any row stride) -> k_nope [M, N, P], v [M, N, V]."""
+        m = self.model
+        x_scale = None
+        want = self.kv_b_proj_input_dtype
+        if want in FP8_DTYPES:
+            # FP8 prefill into an fp8 weight: quantize with a per-tensor scale
+            # computed on the device (no host sync).
+            amax = kv_c.abs().amax().float().clamp(min=1e-12)
+            x_scale = (amax / torch.finfo(want).max).reshape(1)
+            x = (kv_c.float() / x_scale).clamp(-torch.finfo(want).max, torch.finfo(want).max).to(want)
+        elif want is not None and kv_c.dtype != want:
+            x = kv_c.to(want)
+        else:
+            x = kv_c
+        kv = self.kv_b_proj(x, x_scale)
+        kv = kv.view(-1, m.num_heads, m.P + m.V)
+        return kv[..., : m.P], kv[..., m.P :]
+
+    def _keys(self, k_nope: Tensor, k_pe: Tensor, dtype: torch.dtype) -> Tensor:
+        m = self.model
+        k = torch.empty(k_nope.shape[0], m.num_heads, m.P + m.R, dtype=dtype, device=k_nope.device)
+        k[..., : m.P] = k_nope
+        k[..., m.P :] = k_pe[:, None, :]
+        return k
+
+    def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                metadata: PrefillMetadata) -> Tensor:
+        """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V]."""
+        m = self.model
+        T = metadata.num_tokens
+        if q.dim() != 3 or tuple(q.shape) != (T, m.num_heads, m.P + m.R):
+            raise ValueError(f"q: expected [{T}, {m.num_heads}, {m.P + m.R}], got {tuple(q.shape)}")
+        if tuple(kv_c_normed.shape) != (T, m.L) or tuple(k_pe.shape) != (T, m.R):
+            raise ValueError(
+                f"kv_c_normed/k_pe: expected [{T}, {m.L}] and [{T}, {m.R}], got "
+                f"{tuple(kv_c_normed.shape)} and {tuple(k_pe.shape)}"
+            )
+        self.check_cache(kv_cache)
+        device, dtype = q.device, q.dtype
+        cu_q = metadata.cu_seqlens_q(device)
+        max_q = max(metadata.query_lens, default=0)
+
+        # 1. New tokens: causal attention over themselves.
+        k_nope, v = self._up_project(kv_c_normed)
+        k = self._keys(k_nope, k_pe, dtype)
+        o_new, lse_new = varlen_attention(q, k, v.to(dtype), cu_q, cu_q, max_q, max_q,
+                                          self.softmax_scale, causal=True)
+
+        # 2. Context, chunk by chunk, merged into (0, -inf).
+        plan = metadata.plan(self.workspace_rows, self.spec.block_size)
+        acc_o = torch.zeros(T, m.num_heads, m.V, dtype=dtype, device=device)
+        acc_lse = torch.full((m.num_heads, T), float("-inf"), dtype=torch.float32, device=device)
+        if plan.chunks:
+            E = m.L + m.R
+            workspace = torch.empty(self.workspace_rows, E, dtype=self.workspace_dtype, device=device)
+            scale = self._k_scale(metadata.k_scale, device)
+            for c in plan.chunks:
+                t = c.tensors(device)
+                rows = c.total_rows
+                cache_api.gather_and_maybe_dequant_cache(
+                    kv_cache, workspace[:rows], metadata.block_table[c.req_start:c.req_end],
+                    t.cu_seq_lens, c.num_reqs, self.spec.kv_cache_dtype, scale, t.seq_starts,
+                )
+                ck_nope, cv = self._up_project(workspace[:rows, : m.L])
+                ck = self._keys(ck_nope, workspace[:rows, m.L :], dtype)
+                qs = slice(c.token_start, c.token_end)
+                o, lse = varlen_attention(q[qs], ck, cv.to(dtype), t.cu_seqlens_q, t.cu_seq_lens,
+                                          c.max_query_len, c.max_seq_len, self.softmax_scale,
+                                          causal=False)
+                merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
+                                  out=acc_o[qs], out_lse=acc_lse[:, qs])
+
+        # 3. Context result merged with the new-token result.
+        out, _ = merge_attn_states(acc_o, acc_lse, o_new, lse_new)
+        return out
+
+    __call__ = forward

@@ -1,0 +1,187 @@
+"""End to end: a scaled-down DeepSeek-shaped stack of MLA layers with mixed
+per-layer cache formats and mixed kv_b_proj formats. The chunked, paged
+result of every layer must equal one-shot dense attention over the whole
+context (mla_ext/prefill/reference.py) within SPEC §9.
+
+The oracle sees exactly what the cache holds (the context rows read back
+through the float32 cache reference, so fp8 rounding is the cache's, not an
+error) and the dequantized kv_b_proj weight (so weight quantisation is the
+checkpoint's, not an error). What remains is the pipeline itself: paging,
+chunking, splits, dequant, up-projection, attention and LSE merging.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_ext.cache import reference as cache_ref
+from mla_ext.kv_b_proj import weights as W
+from mla_ext.models import MLAModelConfig
+from mla_ext.policy import CacheConfig
+from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
+from mla_ext.prefill.reference import mla_prefill_reference
+
+# DeepSeek latent dims (fp8_ds_mla needs L=512, R=64); few, narrow heads.
+TINY = MLAModelConfig(
+    name="tiny-deepseek", L=512, R=64, P=32, V=32, num_heads=2, num_layers=4,
+    model_dtype=torch.bfloat16, max_model_len=256,
+)
+BLOCK = 16
+
+
+def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def make_weight(kind: str, w: torch.Tensor) -> W.WeightFormat:
+    dt = torch.bfloat16
+    if kind == "dense":
+        return W.DenseWeight.from_dense(w, dt)
+    if kind == "fp8_block":
+        return W.Fp8BlockWeight.from_dense(w, dt)
+    if kind == "marlin_fp8":
+        return W.MarlinFp8Weight.from_dense(w, dt)
+    if kind == "nvfp4":
+        return W.Nvfp4Weight.from_dense(w, dt)
+    raise AssertionError(kind)
+
+
+class Batch:
+    """Random requests whose context already sits in a paged cache."""
+
+    def __init__(self, ctx_lens, q_lens, gen: torch.Generator):
+        self.ctx_lens, self.q_lens = list(ctx_lens), list(q_lens)
+        m = TINY
+        blocks_per_req = [max(1, math.ceil(c / BLOCK)) for c in ctx_lens]
+        self.num_blocks = sum(blocks_per_req) + 3
+        ids = torch.randperm(self.num_blocks, generator=gen).to(torch.int32)
+        width = max(blocks_per_req)
+        self.block_table = torch.full((len(ctx_lens), width), -1, dtype=torch.int32)
+        pos = 0
+        for r, nb in enumerate(blocks_per_req):
+            self.block_table[r, :nb] = ids[pos:pos + nb]
+            pos += nb
+        T = sum(q_lens)
+        self.q = torch.randn(T, m.num_heads, m.P + m.R, generator=gen).to(torch.bfloat16)
+        self.kv_c_new = torch.randn(T, m.L, generator=gen).to(torch.bfloat16)
+        self.k_pe_new = torch.randn(T, m.R, generator=gen).to(torch.bfloat16)
+        self.ctx_kv_c = [torch.randn(c, m.L, generator=gen).to(torch.bfloat16) for c in ctx_lens]
+        self.ctx_k_pe = [torch.randn(c, m.R, generator=gen).to(torch.bfloat16) for c in ctx_lens]
+
+    def slots(self, r: int) -> torch.Tensor:
+        pos = torch.arange(self.ctx_lens[r])
+        return (self.block_table[r, pos // BLOCK].long() * BLOCK + pos % BLOCK)
+
+    def fill_cache(self, layer: MLAPrefill, k_scale) -> torch.Tensor:
+        spec = layer.spec
+        cache = torch.full(spec.cache_shape(self.num_blocks), 0, dtype=spec.storage_dtype)
+        if spec.storage_dtype == torch.uint8:
+            cache.fill_(0x7F)  # poison: e4m3 NaN everywhere a token is not written
+        else:
+            cache.fill_(float("nan"))
+        for r in range(len(self.ctx_lens)):
+            if self.ctx_lens[r]:
+                layer.write_cache(self.ctx_kv_c[r], self.ctx_k_pe[r], cache, self.slots(r), k_scale)
+        return cache
+
+    def cached_rows(self, layer: MLAPrefill, cache, k_scale):
+        """What the cache holds for each request, dequantized by the reference."""
+        m = TINY
+        kv_c, k_pe = [], []
+        scale = k_scale if k_scale is not None else torch.ones(1)
+        for r, c in enumerate(self.ctx_lens):
+            # A native cache is gathered in its own dtype (no reinterpretation).
+            dt = torch.float32 if layer.spec.is_quantized else layer.spec.storage_dtype
+            dst = torch.empty(c, m.L + m.R, dtype=dt)
+            cu = torch.tensor([0, c], dtype=torch.int32)
+            cache_ref.gather_ref(cache, dst, self.block_table[r:r + 1], cu, 1,
+                                 layer.spec.kv_cache_dtype, scale)
+            kv_c.append(dst[:, : m.L].float())
+            k_pe.append(dst[:, m.L:].float())
+        return kv_c, k_pe
+
+
+# One layer per row: (cache config, layer index, kv_b_proj format). Covers
+# fp8_ds_mla, skipped native layers (by index and under two global formats),
+# fp8 per-tensor, and Marlin FP8 / block FP8 / NVFP4 / dense weights.
+DS = CacheConfig(kv_cache_dtype="fp8_ds_mla", skip_layers=(0, "3"), block_size=BLOCK)
+FP8 = CacheConfig(kv_cache_dtype="fp8", skip_layers=(3,), block_size=BLOCK)
+STACK = [
+    (DS, 0, "dense"),        # skipped -> native bf16 cache
+    (DS, 1, "fp8_block"),    # fp8_ds_mla
+    (FP8, 2, "marlin_fp8"),  # fp8 per-tensor
+    (DS, 3, "nvfp4"),        # skipped -> native bf16 cache
+    (DS, 2, "marlin_fp8"),   # fp8_ds_mla again, Marlin weights
+]
+
+
+@pytest.mark.parametrize("workspace_rows", [32, 256])
+def test_stack_matches_one_shot_dense(workspace_rows):
+    gen = torch.Generator().manual_seed(1234 + workspace_rows)
+    # A long request beside short ones, one without context, one single token.
+    batch = Batch(ctx_lens=[70, 0, 5, 1, 33], q_lens=[3, 2, 1, 2, 4], gen=gen)
+    k_scale = torch.tensor([0.02], dtype=torch.float32)
+    meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens, k_scale)
+    seen_formats = set()
+    for cfg, index, wkind in STACK:
+        w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L, generator=gen) / math.sqrt(TINY.L)
+        layer = MLAPrefill(TINY, cfg, make_weight(wkind, w), prefix=f"model.layers.{index}.self_attn",
+                           workspace_rows_override=workspace_rows, max_num_seqs=8)
+        seen_formats.add(layer.kv_cache_dtype)
+        cache = batch.fill_cache(layer, k_scale)
+        out = layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta)
+        assert out.shape == (sum(batch.q_lens), TINY.num_heads, TINY.V)
+        assert not torch.isnan(out).any()
+
+        kv_c, k_pe = batch.cached_rows(layer, cache, k_scale if layer.spec.is_quantized else None)
+        ref = mla_prefill_reference(
+            batch.q, batch.kv_c_new, batch.k_pe_new, kv_c, k_pe, batch.q_lens,
+            layer.kv_b_proj.weight_format.dequantize_fp32(), TINY.P, TINY.V, layer.softmax_scale,
+        )
+        err = rel_fro(out, ref)
+        assert err <= 1e-2, (layer.explain(), err)
+        # The context really matters: dropping it is far outside the tolerance.
+        no_ctx = mla_prefill_reference(
+            batch.q, batch.kv_c_new, batch.k_pe_new, [t[:0] for t in kv_c], [t[:0] for t in k_pe],
+            batch.q_lens, layer.kv_b_proj.weight_format.dequantize_fp32(), TINY.P, TINY.V,
+            layer.softmax_scale,
+        )
+        assert rel_fro(out, no_ctx) > 0.1
+    assert seen_formats == {"auto", "fp8_ds_mla", "fp8"}
+
+
+def test_skipped_layer_routes_native_everywhere():
+    w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L)
+    layer = MLAPrefill(TINY, DS, make_weight("marlin_fp8", w), prefix="model.layers.3.self_attn.attn")
+    assert layer.spec.skipped and layer.kv_cache_dtype == "auto"
+    assert layer.spec.storage_dtype == torch.bfloat16 and layer.workspace_dtype == torch.bfloat16
+    assert layer.compute_kv_scale(torch.ones(2, TINY.L), torch.ones(2, TINY.R)) is None
+    # Marlin stores int32; the activation must still be the model dtype.
+    assert layer.kv_b_proj.weight.dtype == torch.int32
+    assert layer.activation_dtype == torch.bfloat16
+    text = layer.explain()
+    assert "skipped" in text and "auto" in text
+
+
+def test_quantized_layer_explains_its_plan():
+    w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L)
+    layer = MLAPrefill(TINY, DS, make_weight("fp8_block", w), layer=1)
+    text = layer.explain()
+    assert "fp8_ds_mla" in text and "656 B/token" in text and "page 10496 B" in text
+
+
+def test_wrong_cache_for_layer_raises():
+    w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L)
+    layer = MLAPrefill(TINY, DS, make_weight("dense", w), layer=1)  # fp8_ds_mla layer
+    native = torch.zeros(4, BLOCK, TINY.L + TINY.R, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache: layer 1"):
+        layer.check_cache(native)
+
+
+def test_bad_kv_b_proj_shape_raises():
+    w = torch.randn(10, TINY.L)
+    with pytest.raises(ValueError, match="kv_b_proj: expected"):
+        MLAPrefill(TINY, DS, make_weight("dense", w), layer=1)
