@@ -44,8 +44,6 @@ def _bound(name):
 
 
 def _make(name, w, dt):
-    if name.startswith("marlin"):
-        pytest.importorskip("mla_ext.kv_b_proj.marlin")
     return W.quantize(name, w, dt)
 
 

@@ -154,7 +154,6 @@ def test_int4_group_format_and_layer_have_no_weight(w):
 
 
 def test_marlin_format_stores_int32_and_gives_params_dtype(w):
-    pytest.importorskip("mla_ext.kv_b_proj.marlin")
     for dt in (torch.bfloat16, torch.float16):
         fmt = W.MarlinFp8Weight.from_dense(w.to(dt), dt)
         assert fmt.weight.dtype == torch.int32

@@ -21,8 +21,6 @@ FROB = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 
 def _fmt(name, w, dt):
-    if name.startswith("marlin_fp8"):
-        pytest.importorskip("mla_ext.kv_b_proj.marlin")
     return W.quantize(name, w, dt)
 
 
