@@ -217,3 +217,26 @@ def test_cuda_graph_capture():
     want = torch.empty(300, 576, dtype=torch.bfloat16)
     ref.gather_ref(cache.cpu(), want, bt.cpu(), cu.cpu(), 2, "fp8_ds_mla", ks.cpu(), starts.cpu())
     assert same_bits(dst.cpu(), want)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla", "bfloat16"])
+def test_public_ops_through_the_triton_backend(fmt):
+    """The dispatcher's "triton" backend serves both public gathers (dequant and raw)."""
+    from mla_ext.cache import api
+
+    rng = random.Random(9)
+    cache, ks = make_cache(fmt, 6, 16, 512, 64, gen=torch.Generator().manual_seed(9))
+    bt, cu, starts = make_batch(rng, 3, 6, 16, 5, lens=[33, 0, 50])
+    width = 576 if fmt == "fp8_ds_mla" else cache.shape[2]
+    for dtype, raw in ((torch.bfloat16, False), (cache.dtype, True)):
+        if raw and fmt == "fp8_ds_mla":
+            width = cache.shape[2]
+        want, _ = poisoned_dst(83, width, dtype)
+        got, _ = poisoned_dst(83, width, dtype)
+        _run_ref(cache, want, bt, cu, 3, fmt, ks, starts)
+        with api.GATHER.force("triton"):
+            if raw:
+                api.cp_gather_cache(cache, got, bt, cu, 3, starts)
+            else:
+                api.gather_and_maybe_dequant_cache(cache, got, bt, cu, 3, fmt, ks, starts)
+        _assert_matches(got, want, exact=False)
