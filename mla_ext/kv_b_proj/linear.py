@@ -11,6 +11,10 @@ Weight-only kernels only win while the GEMM is memory-bound (small M); at
 prefill M (thousands of rows, K=512) the GEMM is compute-bound and a
 dequantize-once 16-bit GEMM (or native fp8) is faster.
 
+The dequantized cache costs N*K*2 bytes per layer and dtype (32 MiB for
+DeepSeek-V3 at TP1: 61 layers ~ 2 GiB); it is built on the first large-M call
+(do that during warm-up, before CUDA-graph capture).
+
 On the CPU only `dequant_dense` is chosen automatically; the Triton kernels
 (through TRITON_INTERPRET=1), the Marlin packed-layout CPU reference and CPU
 `_scaled_mm` run there only when forced (`DISPATCH.force(name)` or
