@@ -24,15 +24,47 @@ from torch import Tensor
 
 from mla_ext.attention.api import merge_attn_states, varlen_attention
 from mla_ext.cache import api as cache_api
+from mla_ext.cache.context_parallel import cp_gather_context
 from mla_ext.formats import QuantMode, ScaleKind
 from mla_ext.kv_b_proj.input_dtype import kv_b_proj_input_dtype
 from mla_ext.kv_b_proj.linear import KvBProj
 from mla_ext.kv_b_proj.weights import WeightFormat
 from mla_ext.models import MLAModelConfig
 from mla_ext.policy import CacheConfig, LayerCacheSpec, resolve_layer
-from mla_ext.prefill.chunking import ChunkPlan, plan_context_chunks, workspace_rows
+from mla_ext.prefill.chunking import (
+    ChunkPlan,
+    plan_context_chunks,
+    workspace_alignment,
+    workspace_rows,
+)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Context parallelism over a torch.distributed group (SPEC §6).
+
+    Each rank's paged cache holds the context tokens with
+    `(pos // interleave) % cp_size == rank`, in local order, and
+    `PrefillMetadata.block_table` is that rank's LOCAL block table. Context
+    lengths in the metadata stay global. Every rank gathers its local rows of
+    a chunk, the rows are all-gathered and reordered, and every rank then
+    computes the same attention for the (replicated) queries.
+    """
+
+    group: object
+    cp_size: int
+    rank: int
+    interleave: int = 1
+
+    def __post_init__(self):
+        for name in ("cp_size", "interleave"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.cp_size:
+            raise ValueError(f"rank: expected an int in [0, {self.cp_size}), got {self.rank!r}")
 
 
 @dataclass
@@ -105,6 +137,7 @@ class MLAPrefill:
         max_num_seqs: int = 256,
         workspace_rows_override: int | None = None,
         softmax_scale: float | None = None,
+        context_parallel: ContextParallel | None = None,
     ):
         self.model = model
         self.spec: LayerCacheSpec = resolve_layer(cache_config, model, layer=layer, prefix=prefix)
@@ -120,8 +153,14 @@ class MLAPrefill:
         # activations stay in the model dtype (the linear quantizes itself).
         self.kv_b_proj_input_dtype = kv_b_proj_input_dtype(self.kv_b_proj, self.use_fp8_prefill)
         self.workspace_dtype = self.spec.workspace_dtype
+        self.cp = context_parallel
+        cp_size, cp_i = (self.cp.cp_size, self.cp.interleave) if self.cp else (1, 1)
+        # Under CP a split point must be a whole number of interleave periods
+        # as well as of blocks, so every rank's share of a chunk is contiguous.
+        self.chunk_alignment = workspace_alignment(self.spec.block_size, cp_size, cp_i)
         self.workspace_rows = workspace_rows(
-            model.max_model_len, max_num_seqs, self.spec.block_size, override=workspace_rows_override
+            model.max_model_len, max_num_seqs, self.spec.block_size, cp_size, cp_i,
+            override=workspace_rows_override,
         )
         self.softmax_scale = (
             float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(model.P + model.R)
@@ -152,7 +191,9 @@ class MLAPrefill:
             f"  cache: {s.bytes_per_token} B/token, page {s.page_bytes()} B (block {s.block_size}), "
             f"entry [{s.entry_elems}] {s.storage_dtype}",
             f"  gather: {'dequantize ' + s.format.name + ' ->' if s.is_quantized else 'native copy ->'} "
-            f"{self.workspace_dtype} workspace [{self.workspace_rows}, {self.model.L + self.model.R}]",
+            f"{self.workspace_dtype} workspace [{self.workspace_rows}, {self.model.L + self.model.R}]"
+            + (f", context parallel {self.cp.cp_size} ranks (interleave {self.cp.interleave})"
+               if self.cp else ""),
             f"  kv_b_proj: {self.kv_b_proj.weight_format.describe()}; input dtype "
             f"{self.activation_dtype} (fp8 prefill {'on' if self.use_fp8_prefill else 'off'})",
         ]
@@ -234,6 +275,21 @@ class MLAPrefill:
         k[..., m.P :] = k_pe[:, None, :]
         return k
 
+    def _gather(self, kv_cache, workspace, metadata, c, t, scale) -> None:
+        """The chunk's context rows into workspace[:c.total_rows], dequantized."""
+        table = metadata.block_table[c.req_start:c.req_end]
+        if self.cp is None:
+            cache_api.gather_and_maybe_dequant_cache(
+                kv_cache, workspace[: c.total_rows], table, t.cu_seq_lens, c.num_reqs,
+                self.spec.kv_cache_dtype, scale, t.seq_starts,
+            )
+        else:
+            cp_gather_context(
+                kv_cache, workspace, table, c.chunk_lens, self.spec.kv_cache_dtype, scale,
+                cp_size=self.cp.cp_size, rank=self.cp.rank, interleave=self.cp.interleave,
+                seq_starts=c.seq_starts, group=self.cp.group,
+            )
+
     def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
                 metadata: PrefillMetadata) -> Tensor:
         """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V]."""
@@ -258,7 +314,7 @@ class MLAPrefill:
                                           self.softmax_scale, causal=True)
 
         # 2. Context, chunk by chunk, merged into (0, -inf).
-        plan = metadata.plan(self.workspace_rows, self.spec.block_size)
+        plan = metadata.plan(self.workspace_rows, self.chunk_alignment)
         acc_o = torch.zeros(T, m.num_heads, m.V, dtype=dtype, device=device)
         acc_lse = torch.full((m.num_heads, T), float("-inf"), dtype=torch.float32, device=device)
         if plan.chunks:
@@ -268,10 +324,7 @@ class MLAPrefill:
             for c in plan.chunks:
                 t = c.tensors(device)
                 rows = c.total_rows
-                cache_api.gather_and_maybe_dequant_cache(
-                    kv_cache, workspace[:rows], metadata.block_table[c.req_start:c.req_end],
-                    t.cu_seq_lens, c.num_reqs, self.spec.kv_cache_dtype, scale, t.seq_starts,
-                )
+                self._gather(kv_cache, workspace, metadata, c, t, scale)
                 ck_nope, cv = self._up_project(workspace[:rows, : m.L])
                 ck = self._keys(ck_nope, workspace[:rows, m.L :], dtype)
                 qs = slice(c.token_start, c.token_end)
