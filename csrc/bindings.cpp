@@ -397,7 +397,11 @@ at::Tensor compute_kv_scale_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe,
   return out;
 }
 
-#ifdef MLA_EXT_CACHE_CUDA_PENDING
+#ifdef MLA_EXT_WITH_CUDA
+void check_launch(int err, const char* op) {
+  TORCH_CHECK(err == 0, op, ": CUDA kernel launch failed with cudaError_t ", err);
+}
+
 void* cache_stream(const at::Tensor& t) {
   return static_cast<void*>(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
 }
@@ -407,7 +411,7 @@ void concat_and_cache_mla_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe, c
                                const at::Tensor& k_scale) {
   const cache::WriteParams p = write_params(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale);
   c10::cuda::CUDAGuard guard(kv_cache.device());
-  if (p.num_tokens > 0) cache::write_cuda(p, cache_stream(kv_cache));
+  if (p.num_tokens > 0) check_launch(cache::write_cuda(p, cache_stream(kv_cache)), "concat_and_cache_mla");
 }
 
 void gather_and_maybe_dequant_cache_cuda(const at::Tensor& src_cache, const at::Tensor& dst,
@@ -418,7 +422,8 @@ void gather_and_maybe_dequant_cache_cuda(const at::Tensor& src_cache, const at::
   const cache::GatherParams p = dequant_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs,
                                                       kv_cache_dtype, k_scale, seq_starts);
   c10::cuda::CUDAGuard guard(src_cache.device());
-  if (p.num_reqs > 0 && p.dst_rows > 0) cache::gather_cuda(p, cache_stream(src_cache));
+  if (p.num_reqs > 0 && p.dst_rows > 0)
+    check_launch(cache::gather_cuda(p, cache_stream(src_cache)), "gather_and_maybe_dequant_cache");
 }
 
 void cp_gather_cache_cuda(const at::Tensor& src_cache, const at::Tensor& dst, const at::Tensor& block_table,
@@ -426,7 +431,7 @@ void cp_gather_cache_cuda(const at::Tensor& src_cache, const at::Tensor& dst, co
                           const std::optional<at::Tensor>& seq_starts) {
   const cache::GatherParams p = cp_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts);
   c10::cuda::CUDAGuard guard(src_cache.device());
-  if (p.num_reqs > 0 && p.dst_rows > 0) cache::gather_cuda(p, cache_stream(src_cache));
+  if (p.num_reqs > 0 && p.dst_rows > 0) check_launch(cache::gather_cuda(p, cache_stream(src_cache)), "cp_gather_cache");
 }
 
 at::Tensor compute_kv_scale_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe,
@@ -438,7 +443,7 @@ at::Tensor compute_kv_scale_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe,
     out.fill_(1.0);
     return out;
   }
-  cache::kv_scale_cuda(p, cache_stream(kv_c));
+  check_launch(cache::kv_scale_cuda(p, cache_stream(kv_c)), "compute_kv_scale");
   return out;
 }
 #endif
@@ -465,7 +470,7 @@ TORCH_LIBRARY_IMPL(mla_ext, CPU, m) {
   m.impl("compute_kv_scale", &mla_ext::compute_kv_scale_cpu);
 }
 
-#ifdef MLA_EXT_CACHE_CUDA_PENDING
+#ifdef MLA_EXT_WITH_CUDA
 TORCH_LIBRARY_IMPL(mla_ext, CUDA, m) {
   m.impl("concat_and_cache_mla", &mla_ext::concat_and_cache_mla_cuda);
   m.impl("gather_and_maybe_dequant_cache", &mla_ext::gather_and_maybe_dequant_cache_cuda);

@@ -19,7 +19,7 @@ namespace cache {
 // Element type of a dense tensor the kernels read or write.
 enum class ElemType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2, kU8 = 3 };
 
-inline int elem_bytes(ElemType t) {
+MLA_HOST_DEVICE inline int elem_bytes(ElemType t) {
   return t == ElemType::kF32 ? 4 : (t == ElemType::kU8 ? 1 : 2);
 }
 
@@ -128,10 +128,11 @@ void write_cpu(const WriteParams& p);
 void kv_scale_cpu(const KvScaleParams& p);
 
 #ifdef MLA_EXT_WITH_CUDA
-// `stream` is a cudaStream_t; kept as void* so this header stays CUDA-free.
-void gather_cuda(const GatherParams& p, void* stream);
-void write_cuda(const WriteParams& p, void* stream);
-void kv_scale_cuda(const KvScaleParams& p, void* stream);
+// `stream` is a cudaStream_t, kept as void* so this header stays CUDA-free;
+// each returns the cudaError_t of its launches (0 = success).
+int gather_cuda(const GatherParams& p, void* stream);
+int write_cuda(const WriteParams& p, void* stream);
+int kv_scale_cuda(const KvScaleParams& p, void* stream);
 #endif
 
 }  // namespace cache
