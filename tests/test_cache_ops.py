@@ -307,3 +307,41 @@ def test_fake_kernels_trace_under_compile():
         a = _gather_args()
         a = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
         torch.ops.mla_ext.gather_and_maybe_dequant_cache(*a.values())
+
+
+def test_dispatcher_forces_triton_and_states_reasons():
+    """The gather dispatcher can be forced to the Triton backend (interpreter on CPU)."""
+    from mla_ext.dispatch import NoBackendError
+
+    cache, k_scale = make_cache("fp8_ds_mla", 4, 16, 512, 64, gen=torch.Generator().manual_seed(9))
+    bt, cu, starts = make_batch(random.Random(9), 3, 4, 16, 4, lens=[20, 1, 9])
+    dst, buf = poisoned_dst(int(cu[-1]), 576, torch.float32)
+    want = buf.clone()
+    ref.gather_ref(cache, want[3:-3], bt, cu, 3, "fp8_ds_mla", k_scale, starts)
+    inp = api.GatherInputs(cache, dst, bt, cu, 3, "fp8_ds_mla", k_scale, starts)
+    if api.GATHER.get("triton").not_supported_reasons(inp):
+        pytest.skip("Triton cannot run here: " + "; ".join(api.GATHER.get("triton").not_supported_reasons(inp)))
+    with api.GATHER.force("triton"):
+        assert "uses 'triton'" in api.explain("gather", inp)
+        api.gather_and_maybe_dequant_cache(cache, dst, bt, cu, 3, "fp8_ds_mla", k_scale, starts)
+    assert same_bits(buf, want)
+    with api.GATHER.force("cuda"), pytest.raises(NoBackendError, match="cuda"):
+        api.gather_and_maybe_dequant_cache(cache, dst, bt, cu, 3, "fp8_ds_mla", k_scale, starts)
+
+
+@pytest.mark.cuda
+def test_cuda_gather_is_graph_capturable():
+    cache, k_scale = make_cache("fp8", 8, 16, 512, 64, gen=torch.Generator().manual_seed(4), device="cuda")
+    bt, cu, starts = make_batch(random.Random(4), 4, 8, 16, 8, lens=[30, 0, 17, 50])
+    bt, cu, starts = bt.cuda(), cu.cuda(), starts.cuda()
+    dst = torch.full((int(cu[-1].item()), 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    api.gather_and_maybe_dequant_cache(cache, dst, bt, cu, 4, "fp8", k_scale, starts)  # warm-up
+    dst.fill_(float("nan"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        api.gather_and_maybe_dequant_cache(cache, dst, bt, cu, 4, "fp8", k_scale, starts)
+    g.replay()
+    torch.cuda.synchronize()
+    want = torch.empty(dst.shape, dtype=dst.dtype)
+    ref.gather_ref(cache.cpu(), want, bt.cpu(), cu.cpu(), 4, "fp8", k_scale.cpu(), starts.cpu())
+    assert same_bits(dst.cpu(), want)
