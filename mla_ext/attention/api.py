@@ -73,8 +73,9 @@ class AttentionInputs:
 
 def _attn_triton_reasons(x: AttentionInputs) -> list[str]:
     why = _triton_reasons([x.q])
-    if max(x.q.shape[-1], x.v.shape[-1]) > 512:
-        why.append(f"head dims (qk {x.q.shape[-1]}, v {x.v.shape[-1]}) above 512 are not tiled")
+    if max(x.q.shape[-1], x.v.shape[-1]) > 256:
+        # Padded tiles above 256 no longer fit sm_86 shared memory (99 KB).
+        why.append(f"head dims (qk {x.q.shape[-1]}, v {x.v.shape[-1]}) above 256 are not tiled")
     return why
 
 
@@ -166,8 +167,8 @@ def varlen_attention(
     """Variable-length multi-head attention with LSE, for MLA shapes.
 
     q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv] (Dqk = P+R and Dv = V may
-    differ, any sizes up to 512; token/head strides are free, the head dim must
-    be contiguous); cu_seqlens_q / cu_seqlens_k int32 [B+1] offsets; request b
+    differ; up to 256 on the Triton backend, any size on torch; token/head
+    strides are free, the head dim must be contiguous); cu_seqlens_q / cu_seqlens_k int32 [B+1] offsets; request b
     attends its queries cu_seqlens_q[b]:[b+1] to its keys cu_seqlens_k[b]:[b+1].
 
     causal=True masks bottom-right aligned: query i sees keys
