@@ -21,9 +21,10 @@ fp8 bytes are decoded with integer ops instead of `tl.float8e4nv` casts
 because Triton's e4m3 conversion does not exist before sm_89 and sm_86 is a
 target: e4m3 bits shifted into an fp16 (same layout with 3 more exponent bits)
 and scaled by 2^8 give the exact value, subnormals included; e5m2 is the high
-byte of an fp16. The ds_mla scales and k_pe are assembled from single bytes
-and bitcast, so the cache needs no 2- or 4-byte alignment (it may be a view
-into a larger byte buffer at any offset).
+byte of an fp16. The ds_mla scales and k_pe are read through fp32 / bf16
+views of the same bytes when every row starts at a multiple of 4 bytes (any
+whole cache tensor); otherwise (a view at an odd offset into a larger byte
+buffer) they are assembled from single bytes and bitcast, bit-exactly too.
 """
 from __future__ import annotations
 
@@ -68,10 +69,10 @@ if triton is not None:
 
     @triton.jit
     def _gather_kernel(
-        src_ptr, dst_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr,
+        src_ptr, src_f32_ptr, src_bf16_ptr, dst_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr,
         num_reqs, num_blocks, block_size, max_blocks, dst_rows, n_cols, search_steps,
         s_blk, s_ent, s_col, bt_s0, bt_s1, d_row, d_col,
-        MODE: tl.constexpr, HAS_STARTS: tl.constexpr,
+        MODE: tl.constexpr, HAS_STARTS: tl.constexpr, ALIGNED: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         row0 = tl.program_id(0) * BLOCK_R
@@ -110,29 +111,39 @@ if triton is not None:
             live2 = live[:, None]
 
             if MODE == 3:
-                # Four 128-value tiles, each with its fp32 scale from 4 bytes.
+                k = tl.arange(0, 64)
+                pe_cm = ((512 + k) < n_cols)[None, :]
+                if ALIGNED:
+                    # The same bytes viewed as fp32 / bf16: one load per scale and per k_pe value.
+                    row4 = blk * (s_blk // 4) + slot * (s_ent // 4)
+                    row2 = blk * (s_blk // 2) + slot * (s_ent // 2)
+                    pe = tl.load(src_bf16_ptr + row2[:, None] + (264 + k[None, :]),
+                                 mask=ok2 & pe_cm, other=0.0)
+                else:
+                    # Any byte alignment: assemble k_pe from byte pairs (bit-exact).
+                    pb = src_row[:, None] + (528 + 2 * k[None, :]) * s_col
+                    lo_b = tl.load(pb, mask=ok2 & pe_cm, other=0).to(tl.int32)
+                    hi_b = tl.load(pb + s_col, mask=ok2 & pe_cm, other=0).to(tl.int32)
+                    pe = (lo_b | (hi_b << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                tl.store(dst_row[:, None] + (512 + k[None, :]) * d_col, pe.to(tl.float32),
+                         mask=live2 & pe_cm)
+                # Four 128-value e4m3 tiles, each times its fp32 scale.
                 for t in tl.static_range(4):
-                    sb = src_row + (512 + 4 * t) * s_col
-                    bits = tl.load(sb, mask=ok, other=0).to(tl.int32)
-                    bits |= tl.load(sb + s_col, mask=ok, other=0).to(tl.int32) << 8
-                    bits |= tl.load(sb + 2 * s_col, mask=ok, other=0).to(tl.int32) << 16
-                    bits |= tl.load(sb + 3 * s_col, mask=ok, other=0).to(tl.int32) << 24
-                    scale = bits.to(tl.float32, bitcast=True)
+                    if ALIGNED:
+                        scale = tl.load(src_f32_ptr + row4 + (128 + t), mask=ok, other=0.0)
+                    else:
+                        sb = src_row + (512 + 4 * t) * s_col
+                        bits = tl.load(sb, mask=ok, other=0).to(tl.int32)
+                        bits |= tl.load(sb + s_col, mask=ok, other=0).to(tl.int32) << 8
+                        bits |= tl.load(sb + 2 * s_col, mask=ok, other=0).to(tl.int32) << 16
+                        bits |= tl.load(sb + 3 * s_col, mask=ok, other=0).to(tl.int32) << 24
+                        scale = bits.to(tl.float32, bitcast=True)
                     cols = t * 128 + tl.arange(0, 128)
                     cm = (cols < n_cols)[None, :]
                     b = tl.load(src_row[:, None] + cols[None, :] * s_col, mask=ok2 & cm, other=0)
                     v = _e4m3_to_f32(b.to(tl.int32)) * scale[:, None]
                     v = tl.where(ok2, v, 0.0)
                     tl.store(dst_row[:, None] + cols[None, :] * d_col, v, mask=live2 & cm)
-                # k_pe: 64 bf16 from byte pairs, bit-exact (bf16 -> f32 -> dst).
-                k = tl.arange(0, 64)
-                cm = ((512 + k) < n_cols)[None, :]
-                pb = src_row[:, None] + (528 + 2 * k[None, :]) * s_col
-                lo_b = tl.load(pb, mask=ok2 & cm, other=0).to(tl.int32)
-                hi_b = tl.load(pb + s_col, mask=ok2 & cm, other=0).to(tl.int32)
-                pe = (lo_b | (hi_b << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                tl.store(dst_row[:, None] + (512 + k[None, :]) * d_col, pe.to(tl.float32),
-                         mask=live2 & cm)
             else:
                 if MODE != 0:
                     k_scale = tl.load(scale_ptr)
@@ -243,16 +254,22 @@ def gather_triton(
     if block_table.shape[1] == 0:
         bt = torch.full((num_reqs, 1), -1, dtype=torch.int32, device=dst.device)
 
+    # fp8_ds_mla: when the rows sit at 4-byte multiples (always, for a whole cache
+    # tensor: 656 = 4 x 164), read scales and k_pe through fp32 / bf16 views.
+    aligned = (mode == MODE_DS_MLA and src_cache.stride(2) == 1 and src_cache.stride(0) % 4 == 0
+               and src_cache.stride(1) % 4 == 0 and src_cache.storage_offset() % 4 == 0)
+    src_f32 = src_cache.view(torch.float32) if aligned else src_cache
+    src_bf16 = src_cache.view(torch.bfloat16) if aligned else src_cache
     interp = _interpreting()
     rows = block_rows or (64 if interp else 32)
     grid = (triton.cdiv(dst.shape[0], rows),)
     _gather_kernel[grid](
-        src_cache, dst, bt, cu, starts, scale,
+        src_cache, src_f32, src_bf16, dst, bt, cu, starts, scale,
         num_reqs, src_cache.shape[0], src_cache.shape[1], block_table.shape[1],
         dst.shape[0], dst.shape[1], max(num_reqs.bit_length(), 1),
         src_cache.stride(0), src_cache.stride(1), src_cache.stride(2),
         bt.stride(0), bt.stride(1), dst.stride(0), dst.stride(1),
-        MODE=mode, HAS_STARTS=seq_starts is not None,
+        MODE=mode, HAS_STARTS=seq_starts is not None, ALIGNED=aligned,
         BLOCK_R=rows, BLOCK_C=64, num_warps=4,
     )
     return out
