@@ -231,8 +231,16 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(args.threads)
+    try:
+        run(args, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args, device: str) -> None:
     if args.tokens:
         sizes = args.tokens
     elif device == "cuda":
