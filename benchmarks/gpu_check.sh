@@ -47,10 +47,20 @@ built=$?
 if [ $built -eq 0 ]; then
   step info 60 "$py" -m mla_ext info
   step cuda_tests 240 "$py" -m pytest -q -m cuda tests -p no:cacheprovider
+  # Memory checking of the compiled kernels (not Triton's JIT): every CUDA
+  # test of the C++/CUDA ops under compute-sanitizer memcheck.
+  san="$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
+  if [ -x "$san" ]; then
+    step memcheck 150 "$san" --tool memcheck --error-exitcode 99 --target-processes all \
+      "$py" -m pytest -q -x -m cuda -p no:cacheprovider \
+      tests/test_cache_ops.py tests/test_attention_merge.py tests/test_kv_b_proj_marlin.py
+  else
+    echo "| memcheck | SKIPPED (no compute-sanitizer) | 0 | |" >> "$summary"
+  fi
   for b in benchmarks/bench_*.py; do
     [ -e "$b" ] || continue
     name="bench_$(basename "$b" .py | sed 's/^bench_//')"
-    step "$name" 120 "$py" "$b" --quick --out "$out"
+    step "$name" 90 "$py" "$b" --quick --out "$out"
   done
 fi
 echo "| total | | $(( $(date +%s) - start_all )) | |" >> "$summary"

@@ -18,6 +18,18 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+try:
+    from hypothesis import settings
+
+    # CI must be reproducible: hypothesis draws the same examples every run
+    # (HYPOTHESIS_PROFILE=explore gives fresh random examples locally).
+    settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+    settings.register_profile("explore", deadline=None, print_blob=True)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # pragma: no cover
+    pass
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: long-running test")
