@@ -71,14 +71,15 @@ def make_batch(rng: random.Random, num_reqs: int, num_blocks: int, block_size: i
     return (torch.tensor(table, **i32), torch.tensor(cu, **i32), torch.tensor(starts, **i32))
 
 
-def poisoned_dst(rows: int, width: int, dtype, guard: int = 3):
-    """(dst view, whole buffer): dst has `guard` poisoned rows above and below it."""
-    buf = torch.empty(rows + 2 * guard, width, dtype=dtype)
+def poisoned_dst(rows: int, width: int, dtype, guard: int = 3, pad_cols: int = 0):
+    """(dst view, whole buffer): dst has `guard` poisoned rows above and below it and,
+    with `pad_cols`, poisoned columns after each row (a row stride > width)."""
+    buf = torch.empty(rows + 2 * guard, width + pad_cols, dtype=dtype)
     if dtype.is_floating_point:
         buf.fill_(float("nan"))
     else:
         buf.fill_(0xFF)
-    return buf[guard: guard + rows], buf
+    return buf[guard: guard + rows, :width], buf
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

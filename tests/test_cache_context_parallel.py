@@ -141,11 +141,13 @@ def test_cp_size_one_is_a_plain_gather():
 
 # -- two processes over gloo --------------------------------------------------
 
-CASES = [  # (fmt, interleave, gather backend, dst dtype)
-    ("fp8", 1, "reference", torch.bfloat16),
-    ("fp8_ds_mla", 16, "triton", torch.bfloat16),
-    ("bfloat16", 3, "triton", torch.bfloat16),
-    ("fp8_e5m2", 5, "reference", torch.float32),
+CASES = [  # (fmt, interleave, gather backend, dst dtype, fixed chunk lens or None: random)
+    ("fp8", 1, "reference", torch.bfloat16, None),
+    ("fp8_ds_mla", 16, "triton", torch.bfloat16, None),
+    ("bfloat16", 3, "triton", torch.bfloat16, None),
+    ("fp8_e5m2", 5, "reference", torch.float32, None),
+    ("fp8", 64, "triton", torch.float32, [0, 0, 0, 0]),  # nothing to gather on any rank
+    ("fp8", 64, "triton", torch.float32, [40, 0, 60, 1]),  # rank 1 holds no row of the chunks
 ]
 
 
@@ -155,10 +157,12 @@ def _worker(rank: int, port: int, world: int) -> None:
     try:
         from mla_ext.cache.triton_gather import gather_triton
         gathers = {"reference": ref.gather_ref, "triton": gather_triton}
-        for i, (fmt, interleave, backend, dtype) in enumerate(CASES):
+        for i, (fmt, interleave, backend, dtype, fixed) in enumerate(CASES):
             ctx_lens = [45, 0, 130, 1]
             glob, local, ks = make_world(11 + i, fmt, ctx_lens, world, interleave)
             lens, starts = _chunks(random.Random(i), ctx_lens)
+            if fixed is not None:
+                lens, starts = fixed, [0] * len(fixed)
             dst = torch.full((sum(lens) + 4, 576), float("nan"), dtype=dtype)
             cache, table = local[rank]
             got = cp.cp_gather_context(cache, dst, table, lens, fmt, ks, cp_size=world, rank=rank,

@@ -42,23 +42,23 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor, exact: bool):
 
 
 def _check_case(device, fmt, model_dtype, dst_dtype, B, num_blocks, max_blocks, num_reqs,
-                L, R, strided, bad_ids, seed, extra_rows=5):
+                L, R, strided, bad_ids, seed, pad_cols=0, extra_rows=5):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     cache, ks = make_cache(fmt, num_blocks, B, L, R, model_dtype, strided=strided, gen=gen)
     bt, cu, starts = make_batch(rng, num_reqs, num_blocks, B, max_blocks, bad_ids=bad_ids)
     width = (L + R) if fmt != "fp8_ds_mla" or dst_dtype != torch.uint8 else cache.shape[2]
     T = int(cu[-1]) + extra_rows
-    want, want_buf = poisoned_dst(T, width, dst_dtype)
+    want, want_buf = poisoned_dst(T, width, dst_dtype, pad_cols=pad_cols)
     _run_ref(cache, want, bt, cu, num_reqs, fmt, ks, starts)
 
-    got, got_buf = poisoned_dst(T, width, dst_dtype)
+    got, got_buf = poisoned_dst(T, width, dst_dtype, pad_cols=pad_cols)
     if device != "cpu":
         got_buf = got_buf.to(device)
-        got = got_buf[3: 3 + T]
+        got = got_buf[3: 3 + T, :width]
         cache, bt, cu, starts, ks = (t.to(device) for t in (cache, bt, cu, starts, ks))
     tg.gather_triton(cache, got, bt, cu, num_reqs, fmt, ks, starts)
-    # Rows past cu[-1] and the guard rows around dst stay poisoned.
+    # Rows past cu[-1], the guard rows around dst and the padding columns stay poisoned.
     _assert_matches(got_buf.cpu(), want_buf, exact=device != "cpu")
 
 
@@ -89,6 +89,7 @@ def _draw_case(data, fmt, model_dtype):
         num_reqs=data.draw(st.integers(1, 8), label="num_reqs"), L=L, R=R,
         strided=data.draw(st.booleans(), label="strided"),
         bad_ids=data.draw(st.booleans(), label="bad_ids"),
+        pad_cols=data.draw(st.sampled_from([0, 8]), label="pad_cols"),
         seed=data.draw(st.integers(0, 2**31), label="seed"),
     )
 
