@@ -1,14 +1,37 @@
-"""The worked example: `python -m mla_ext demo`.
+"""The worked example: `python -m mla_ext demo` (`make demo`).
 
-For now it plans the KV cache of DeepSeek-V3 with fp8_ds_mla layers and the
-first two and the last layer kept in bf16 (the skip-layer setup that upstream
-engines refuse because 656- and 1152-byte pages do not divide), in 60 GiB.
+1. The KV-cache plan of DeepSeek-V3 with fp8_ds_mla layers and the first two
+   and the last layer kept in bf16 (the skip-layer setup that upstream engines
+   refuse because 656- and 1152-byte pages do not divide), in 60 GiB.
+2. A DeepSeek-V3-shaped prefill with context through a stack of MLA layers
+   with a realistic mixed configuration: the first and the last layer skipped
+   (native bf16 cache), fp8_ds_mla elsewhere; block-FP8 kv_b_proj weights (on a
+   GPU below sm_89 the Marlin FP8 path, the only fp8 route there; on the CPU
+   one Marlin and one NVFP4 layer besides, to show the mix). Every layer
+   prints its resolved plan, is checked against the one-shot dense oracle fed
+   with what its cache holds, and reports the time of each step with the
+   achieved GB/s or TFLOP/s.
+
+Sizes: --full (the default when CUDA is available) is DeepSeek-V3 at TP8
+(16 heads), 6 layers, contexts of 32K/16K/8K/8K and 2K new tokens; the
+oracle then checks the first --check-queries new tokens of every request
+(exact: new tokens see only earlier ones). --reduced (the CPU default) keeps
+L=512, R=64, P=128, V=128 with 4 heads, 5 layers and contexts of a few
+hundred tokens, chunked through a small workspace; --tiny is smaller still
+(for tests). Exit code 1 if any layer fails its check.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import math
+import sys
+from dataclasses import dataclass
 
-from mla_ext.models import get_model_config
+import torch
+
+from mla_ext.models import MLAModelConfig, get_model_config
 from mla_ext.planner import render_plan
 from mla_ext.policy import CacheConfig
 
@@ -17,12 +40,277 @@ KV_CACHE_DTYPE = "fp8_ds_mla"
 SKIP_LAYERS = (0, 1, 60)
 BLOCK_SIZE = 64
 MEMORY_BYTES = 60 * 2**30
+TOLERANCE = 1e-2  # SPEC §9, bf16 paths: relative Frobenius error
+STEP_ORDER = ("gather", "kv_b_proj", "keys", "attention", "merge")
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    heads: int
+    layers: int
+    ctx_lens: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    workspace_rows: int | None  # None: the SPEC §8 default
+    max_model_len: int
+    reps: int  # timed runs per layer (the fastest is reported: shared machines are noisy)
+
+
+SIZES = {
+    "full": Size("full", 16, 6, (32768, 16384, 8192, 8192), (512, 512, 512, 512), None, 163840, 3),
+    # A request without context and a workspace smaller than the context, so
+    # the context is split over chunks as in a long prefill.
+    "reduced": Size("reduced", 4, 5, (640, 300, 0, 97), (32, 16, 8, 8), 512, 4096, 3),
+    "tiny": Size("tiny", 2, 4, (100, 0, 37), (6, 3, 4), 64, 1024, 2),
+}
+
+
+def weight_kinds(num_layers: int, device: torch.device) -> list[str]:
+    """kv_b_proj format per layer: DeepSeek's block FP8; Marlin FP8 on GPUs
+    without fp8 tensor cores (sm_8x below sm_89); on the CPU one Marlin and one
+    NVFP4 layer among block-FP8 ones."""
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        return ["fp8_block" if cap >= (8, 9) else "marlin_fp8"] * num_layers
+    kinds = ["fp8_block"] * num_layers
+    for i, kind in ((1, "marlin_fp8"), (2, "nvfp4")):
+        if i < num_layers - 1:
+            kinds[i] = kind
+    return kinds
+
+
+def make_weight(kind: str, w: torch.Tensor, dtype: torch.dtype):
+    from mla_ext.kv_b_proj import weights as W
+
+    cls = {"dense": W.DenseWeight, "fp8_block": W.Fp8BlockWeight, "marlin_fp8": W.MarlinFp8Weight,
+           "nvfp4": W.Nvfp4Weight}[kind]
+    return cls.from_dense(w, dtype)
+
+
+class Progress:
+    """A text progress bar on stderr (only when enabled)."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 30):
+        self.total, self.enabled, self.width, self.done = total, enabled, width, 0
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            n = self.width * self.done // self.total
+            sys.stderr.write(f"\r[{'#' * n}{'.' * (self.width - n)}] {self.done}/{self.total} {label:<40}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
+
+
+def check_layer(batch, layer, cache, out, check_queries: int | None) -> dict:
+    """Compares `out` with the one-shot dense oracle fed with what the cache holds.
+
+    With check_queries, only the first check_queries new tokens of each request
+    are compared: a new token sees only earlier ones, so their reference is
+    exact without the rest."""
+    from mla_ext.prefill.reference import mla_prefill_reference
+
+    reqs = [r for r, q in enumerate(batch.q_lens) if q]
+    take = [min(batch.q_lens[r], check_queries or batch.q_lens[r]) for r in reqs]
+    offs = [0]
+    for q in batch.q_lens:
+        offs.append(offs[-1] + q)
+    rows = torch.cat([torch.arange(offs[r], offs[r] + k) for r, k in zip(reqs, take)])
+    kv_c, k_pe = batch.cached_rows(layer, cache, None, reqs)
+    dev_rows = rows.to(batch.q.device)
+    ref = mla_prefill_reference(
+        batch.q[dev_rows].cpu(), batch.kv_c_new[dev_rows].cpu(), batch.k_pe_new[dev_rows].cpu(),
+        kv_c, k_pe, take, layer.kv_b_proj.weight_format.dequantize_fp32().cpu(),
+        layer.model.P, layer.model.V, layer.softmax_scale,
+    )
+    got = out[dev_rows].cpu().double()
+    nan = bool(torch.isnan(got).any())
+    err = float((got - ref.double()).norm() / ref.double().norm())
+    ok = not nan and err <= TOLERANCE
+    scope = (f"all {len(rows)} new tokens" if sum(take) == batch.num_tokens
+             else f"first {check_queries} new tokens of each request ({len(rows)} of {batch.num_tokens})")
+    return {"rel_err": err, "nan": nan, "ok": ok, "checked": scope}
+
+
+def run_layer(batch, layer, meta, reps: int, check_queries, progress: Progress) -> dict:
+    from mla_ext.prefill.timing import StepClock, step_work
+
+    i = layer.layer_index
+    kv_c, k_pe = batch.layer_context(i)
+    cache = batch.fill_cache(layer, kv_c, k_pe)
+    del kv_c, k_pe
+    progress.step(f"layer {i}: cache filled")
+    args = (batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta)
+    layer(*args)  # warm-up: compiles kernels, dequantizes the weight once
+    progress.step(f"layer {i}: warm-up")
+    best, out = None, None
+    for _ in range(reps):
+        clock = StepClock(batch.device)
+        out = layer(*args, clock=clock)
+        t = clock.totals()
+        if best is None or t["total"] < best["total"]:
+            best = t
+    progress.step(f"layer {i}: timed")
+    check = check_layer(batch, layer, cache, out, check_queries)
+    progress.step(f"layer {i}: checked")
+    work = step_work(layer, meta)
+    steps = {}
+    for name in STEP_ORDER:
+        s = best.get(name, 0.0)
+        rate, unit = work[name].rate(s) if s > 0 else (0.0, "")
+        steps[name] = {"seconds": s, "rate": rate, "unit": unit}
+    plan = meta.plan(layer.workspace_rows, layer.chunk_alignment)
+    device = batch.device
+    return {
+        "layer": i,
+        "kv_cache_dtype": layer.kv_cache_dtype,
+        "skipped": layer.spec.skipped,
+        "page_bytes": layer.spec.page_bytes(),
+        "kv_b_proj": layer.kv_b_proj.weight_format.describe(),
+        "kv_b_proj_backend": layer.kv_b_proj.backend_for(layer.workspace_rows, device, layer.activation_dtype),
+        "activation_dtype": str(layer.activation_dtype).removeprefix("torch."),
+        "workspace_rows": layer.workspace_rows,
+        "chunks": plan.num_chunks,
+        "total_seconds": best["total"],
+        "steps": steps,
+        **check,
+        "explain": layer.explain(device),
+    }
+
+
+def format_layer(r: dict) -> str:
+    steps = " | ".join(
+        f"{name} {_fmt_s(s['seconds'])}" + (f" ({s['rate']:.3g} {s['unit']})" if s["unit"] else "")
+        for name, s in r["steps"].items())
+    verdict = "ok" if r["ok"] else "FAILED"
+    return "\n".join([
+        r["explain"],
+        f"  context chunks: {r['chunks']} (workspace {r['workspace_rows']} rows)",
+        f"  time: total {_fmt_s(r['total_seconds'])} | {steps}",
+        f"  check vs one-shot dense reference ({r['checked']}): rel err {r['rel_err']:.2e} "
+        f"(tolerance {TOLERANCE:.0e}){' NaN!' if r['nan'] else ''} {verdict}",
+    ])
+
+
+def format_summary(results: list[dict]) -> str:
+    head = (f"{'layer':>5}  {'cache':<11}{'page B':>8}  {'kv_b_proj -> backend':<34}{'act':<10}{'ms':>9}"
+            f"{'rel err':>10}  check")
+    lines = [head]
+    for r in results:
+        fmt = r["kv_b_proj"].split(" ")[0]
+        lines.append(f"{r['layer']:>5}  {r['kv_cache_dtype']:<11}{r['page_bytes']:>8}  "
+                     f"{fmt + ' -> ' + r['kv_b_proj_backend']:<34}{r['activation_dtype']:<10}"
+                     f"{r['total_seconds'] * 1e3:>9.2f}{r['rel_err']:>10.2e}  {'ok' if r['ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def build_model(size: Size) -> MLAModelConfig:
+    base = get_model_config(MODEL)
+    return MLAModelConfig(
+        f"{MODEL} ({size.name}: {size.heads} heads, {size.layers} layers)", L=base.L, R=base.R,
+        P=base.P, V=base.V, num_heads=size.heads, num_layers=size.layers,
+        model_dtype=torch.bfloat16, max_model_len=size.max_model_len,
+    )
+
+
+def run_prefill(size: Size, device: torch.device, seed: int, check_queries, progress_on) -> dict:
+    from mla_ext.prefill.layer import MLAPrefill
+    from mla_ext.prefill.synthetic import SyntheticBatch
+
+    model = build_model(size)
+    cfg = CacheConfig(KV_CACHE_DTYPE, (0, size.layers - 1), BLOCK_SIZE)
+    batch = SyntheticBatch(model, size.ctx_lens, size.q_lens, BLOCK_SIZE, device, seed)
+    meta = batch.metadata()
+    kinds = weight_kinds(size.layers, device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    progress = Progress(4 * size.layers, progress_on)
+    results = []
+    for i, kind in enumerate(kinds):
+        w = torch.randn(model.num_heads * (model.P + model.V), model.L, generator=gen) / math.sqrt(model.L)
+        weight = make_weight(kind, w, model.model_dtype).to(device)
+        layer = MLAPrefill(model, cfg, weight, layer=i, workspace_rows_override=size.workspace_rows,
+                           max_num_seqs=max(len(size.ctx_lens), 1))
+        results.append(run_layer(batch, layer, meta, size.reps, check_queries, progress))
+    progress.close()
+    return {
+        "model": model.name, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "size": size.name, "ctx_lens": list(size.ctx_lens), "q_lens": list(size.q_lens),
+        "block_size": BLOCK_SIZE, "kv_cache_dtype": KV_CACHE_DTYPE, "skip_layers": [0, size.layers - 1],
+        "layers": results, "ok": all(r["ok"] for r in results),
+    }
+
+
+@contextlib.contextmanager
+def _cpu_attention(device: torch.device):
+    """On the CPU, attention runs through the torch backend: under
+    TRITON_INTERPRET=1 (set by the test suite) the dispatcher would pick the
+    Triton interpreter, measured here ~20x slower at these sizes."""
+    if device.type != "cpu":
+        yield
+        return
+    from mla_ext.attention.api import ATTENTION
+
+    with ATTENTION.force("torch"):
+        yield
 
 
 def run_demo(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mla_ext demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--json", action="store_true", help="print the plan and the results as JSON")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--full", dest="size", action="store_const", const="full",
+                       help="DeepSeek-V3 at TP8 sizes (default when CUDA is available)")
+    sizes.add_argument("--reduced", dest="size", action="store_const", const="reduced",
+                       help="few heads and layers, short contexts (default on the CPU)")
+    sizes.add_argument("--tiny", dest="size", action="store_const", const="tiny", help="smallest (tests)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check-queries", type=int, default=None, metavar="K",
+                        help="check only the first K new tokens of each request (default: all; "
+                             "64 with --full)")
+    parser.add_argument("--plan-only", action="store_true", help="print the cache plan and stop")
+    parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                        help="progress bar on stderr (auto: with --full or on a terminal)")
     args = parser.parse_args(argv or [])
+
     cfg = CacheConfig(KV_CACHE_DTYPE, SKIP_LAYERS, BLOCK_SIZE)
-    print(render_plan(get_model_config(MODEL), cfg, MEMORY_BYTES, as_json=args.json))
-    return 0
+    plan_text = render_plan(get_model_config(MODEL), cfg, MEMORY_BYTES, as_json=args.json)
+    if not args.json:
+        print(plan_text)
+    if args.plan_only:
+        if args.json:
+            print(plan_text)
+        return 0
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    size = SIZES[args.size or ("full" if device.type == "cuda" else "reduced")]
+    check_queries = args.check_queries if args.check_queries is not None else (64 if size.name == "full" else None)
+    progress_on = args.progress == "on" or (args.progress == "auto" and (size.name == "full" or sys.stderr.isatty()))
+    with _cpu_attention(device):
+        result = run_prefill(size, device, args.seed, check_queries, progress_on)
+
+    if args.json:
+        print(json.dumps({**json.loads(plan_text), "prefill": result}, indent=2))
+    else:
+        print()
+        print(f"Prefill with context: {result['model']} on {result['device_name']}, "
+              f"{len(size.ctx_lens)} requests, context {list(size.ctx_lens)} tokens, "
+              f"new {list(size.q_lens)} tokens, block {BLOCK_SIZE}, kv_cache_dtype={KV_CACHE_DTYPE}, "
+              f"skip layers {result['skip_layers']}")
+        print()
+        for r in result["layers"]:
+            print(format_layer(r))
+            print()
+        print(format_summary(result["layers"]))
+        bad = [r["layer"] for r in result["layers"] if not r["ok"]]
+        print(f"\nall {len(result['layers'])} layers ok" if not bad else f"\nFAILED layers: {bad}")
+    return 0 if result["ok"] else 1

@@ -146,9 +146,9 @@ def test_backend_report_contract(monkeypatch):
 
 
 def test_demo(capsys):
-    rc, out, _ = run(capsys, ["demo"])
+    rc, out, _ = run(capsys, ["demo", "--plan-only"])
     assert rc == 0 and "deepseek-v3" in out and "fp8_ds_mla" in out and "24,253" in out
-    rc, out, _ = run(capsys, ["demo", "--json"])
+    rc, out, _ = run(capsys, ["demo", "--plan-only", "--json"])
     assert rc == 0 and json.loads(out)["num_blocks"] == 24_253
 
 

@@ -41,6 +41,10 @@ from mla_ext.prefill.chunking import (
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _no_clock(step: str) -> None:
+    """forward's step marks when no profiling clock is given."""
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """Context parallelism over a torch.distributed group (SPEC §6).
@@ -291,8 +295,12 @@ class MLAPrefill:
             )
 
     def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
-                metadata: PrefillMetadata) -> Tensor:
-        """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V]."""
+                metadata: PrefillMetadata, clock=None) -> Tensor:
+        """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V].
+
+        `clock` (optional, for profiling; see mla_ext.prefill.timing.StepClock)
+        gets `clock.mark(step)` after every step.
+        """
         m = self.model
         T = metadata.num_tokens
         if q.dim() != 3 or tuple(q.shape) != (T, m.num_heads, m.P + m.R):
@@ -306,12 +314,18 @@ class MLAPrefill:
         device, dtype = q.device, q.dtype
         cu_q = metadata.cu_seqlens_q(device)
         max_q = max(metadata.query_lens, default=0)
+        tick = clock.mark if clock is not None else _no_clock
+        if clock is not None:
+            clock.start()
 
         # 1. New tokens: causal attention over themselves.
         k_nope, v = self._up_project(kv_c_normed)
+        tick("kv_b_proj")
         k = self._keys(k_nope, k_pe, dtype)
+        tick("keys")
         o_new, lse_new = varlen_attention(q, k, v.to(dtype), cu_q, cu_q, max_q, max_q,
                                           self.softmax_scale, causal=True)
+        tick("attention")
 
         # 2. Context, chunk by chunk, merged into (0, -inf).
         plan = metadata.plan(self.workspace_rows, self.chunk_alignment)
@@ -325,17 +339,23 @@ class MLAPrefill:
                 t = c.tensors(device)
                 rows = c.total_rows
                 self._gather(kv_cache, workspace, metadata, c, t, scale)
+                tick("gather")
                 ck_nope, cv = self._up_project(workspace[:rows, : m.L])
+                tick("kv_b_proj")
                 ck = self._keys(ck_nope, workspace[:rows, m.L :], dtype)
+                tick("keys")
                 qs = slice(c.token_start, c.token_end)
                 o, lse = varlen_attention(q[qs], ck, cv.to(dtype), t.cu_seqlens_q, t.cu_seq_lens,
                                           c.max_query_len, c.max_seq_len, self.softmax_scale,
                                           causal=False)
+                tick("attention")
                 merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
                                   out=acc_o[qs], out_lse=acc_lse[:, qs])
+                tick("merge")
 
         # 3. Context result merged with the new-token result.
         out, _ = merge_attn_states(acc_o, acc_lse, o_new, lse_new)
+        tick("merge")
         return out
 
     __call__ = forward
