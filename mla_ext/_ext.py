@@ -8,9 +8,7 @@ and `load_error()`, and the ops' Python wrappers turn that into a clear error.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import subprocess
+import struct
 
 import torch
 
@@ -60,29 +58,13 @@ def build_info() -> dict:
 
 
 def _cubins(so_path: str) -> list[str]:
-    """The sm_XX targets actually present in the shared object (via cuobjdump)."""
-    tool = shutil.which("cuobjdump")
-    home = os.environ.get("CUDA_HOME")
-    if tool is None and home:
-        cand = os.path.join(home, "bin", "cuobjdump")
-        tool = cand if os.path.exists(cand) else None
-    if tool is None and os.path.exists("/usr/local/cuda/bin/cuobjdump"):
-        tool = "/usr/local/cuda/bin/cuobjdump"
-    if tool is None:
-        return []
+    """The sm_XX targets actually present in the shared object (read from its fatbin)."""
+    from mla_ext import _fatbin
+
     try:
-        out = subprocess.run(
-            [tool, "--list-elf", so_path], capture_output=True, text=True, timeout=60
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+        return [t for t in _fatbin.targets(so_path) if t.startswith("sm_")]
+    except (OSError, ValueError, struct.error, IndexError):
         return []
-    found = set()
-    for line in out.splitlines():
-        # e.g. "ELF file    1: _C.1.sm_90a.cubin"
-        for tok in line.replace(".", " ").split():
-            if tok.startswith("sm_"):
-                found.add(tok)
-    return sorted(found)
 
 
 def cuda_kernels_usable() -> tuple[bool, str]:
