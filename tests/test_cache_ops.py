@@ -118,19 +118,45 @@ def test_gather_out_of_range_ids_give_zero_rows(device, fmt_name):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gather_column_guards_and_row_stride(device):
-    """dst as a column slice of a wider poisoned buffer: pad columns stay untouched."""
-    cache, k_scale = make_cache("fp8", 6, 16, 512, 64, strided=True, gen=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("fmt_name", ["fp8", "fp8_e5m2", "fp8_ds_mla", "auto"])
+@pytest.mark.parametrize("col", [8, 1])
+def test_gather_column_guards_and_alignment(device, fmt_name, col):
+    """dst as a column slice of a wider poisoned buffer: pad columns stay untouched.
+
+    col=1 also misaligns dst rows and the cache entries (odd byte padding), so
+    the kernels' element-by-element paths run, not only the vectorised ones.
+    """
+    gen = torch.Generator().manual_seed(3)
+    cache, k_scale = make_cache(fmt_name, 6, 16, 512, 64, strided=True, gen=gen)
+    if col == 1:  # re-home the cache at an odd byte offset with odd entry padding
+        nb, B, E = cache.shape
+        raw = torch.full((nb * B * (E + 3) + 5,), 0x5A, dtype=torch.uint8)
+        view = raw[1:1 + nb * B * (E + 3)].view(nb, B, E + 3)[:, :, :E] if cache.element_size() == 1 else None
+        if view is not None:
+            view.copy_(cache.view(torch.uint8))
+            cache = view.view(cache.dtype)
     bt, cu, starts = make_batch(random.Random(3), 5, 6, 16, 6)
     total = int(cu[-1])
-    buf = torch.full((total, 576 + 40), float("nan"), dtype=torch.bfloat16)
+    width = 576
+    dtype = torch.bfloat16
+    buf = torch.full((total, width + 40), float("nan"), dtype=dtype)
     want = buf.clone()
-    ref.gather_ref(cache, want[:, 8:584], bt, cu, 5, "fp8", k_scale, starts)
+    ref.gather_ref(cache, want[:, col:col + width], bt, cu, 5, fmt_name, k_scale, starts)
     dev = torch.device(device)
     buf_d = buf.to(dev)
-    api.gather_and_maybe_dequant_cache(cache.to(dev), buf_d[:, 8:584], bt.to(dev), cu.to(dev), 5, "fp8",
+    api.gather_and_maybe_dequant_cache(cache.to(dev) if device == "cpu" else _to_device_keep_layout(cache, dev),
+                                       buf_d[:, col:col + width], bt.to(dev), cu.to(dev), 5, fmt_name,
                                        k_scale.to(dev), starts.to(dev))
     assert same_bits(buf_d.cpu(), want)
+
+
+def _to_device_keep_layout(t: torch.Tensor, dev) -> torch.Tensor:
+    """Copy a strided view to `dev` keeping its strides and storage offset."""
+    base = t.untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8).set_(base).to(dev)
+    return torch.empty(0, dtype=t.dtype, device=dev).set_(
+        whole.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -85,10 +85,10 @@ def decode_ds_mla_row(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """[T, 656] uint8 -> (kv_c float32 [T, 512], k_pe bf16 [T, 64], tile scales float32 [T, 4])."""
     rows = rows.contiguous().view(torch.uint8)
     T = rows.shape[0]
-    scales = rows[:, DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET].contiguous().view(torch.float32)
+    scales = rows[:, DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET].clone().view(torch.float32)
     vals = dequantize_fp8_bytes(rows[:, DsMla.LATENT_OFFSET : DsMla.LATENT_DIM], torch.float8_e4m3fn)
     kv_c = (vals.reshape(T, DsMla.NUM_TILES, DsMla.TILE_SIZE) * scales[:, :, None]).reshape(T, DsMla.LATENT_DIM)
-    k_pe = rows[:, DsMla.ROPE_OFFSET :].contiguous().view(torch.bfloat16)
+    k_pe = rows[:, DsMla.ROPE_OFFSET :].clone().view(torch.bfloat16)  # clone: any byte alignment
     return kv_c, k_pe, scales
 
 
