@@ -270,13 +270,14 @@ from mla_ext.cache import triton_gather as tg
 params = list(inspect.signature(tg._gather_kernel.fn).parameters)
 cases = [(0, "bf16", "bf16", False), (0, "u8", "u8", False), (1, "u8", "bf16", False),
          (2, "u8", "fp16", False), (3, "u8", "bf16", True), (3, "u8", "fp32", False)]
-for cap in (86, 90):
+for cap, BR in ((86, 16), (90, 32), (90, 16)):  # both tile heights gather_triton uses
     for mode, src, dst, aligned in cases:
         sig = {p: "i32" for p in params}
         sig.update(src_ptr="*" + src, src_f32_ptr="*fp32", src_bf16_ptr="*bf16", dst_ptr="*" + dst,
                    bt_ptr="*i32", cu_ptr="*i32", starts_ptr="*i32", scale_ptr="*fp32")
         # What a real launch specialises: unit column strides, 16-divisible sizes.
-        consts = dict(MODE=mode, HAS_STARTS=True, ALIGNED=aligned, BLOCK_R=32, BLOCK_C=64,
+        consts = dict(MODE=mode, HAS_STARTS=True, ALIGNED=aligned, BLOCK_R=BR,
+                      BLOCK_C=128 if src == "u8" else 64,
                       s_col=1, d_col=1, bt_s1=1)
         sig.update({k: "constexpr" for k in consts})
         div16 = ["src_ptr", "src_f32_ptr", "src_bf16_ptr", "dst_ptr", "bt_ptr", "cu_ptr",

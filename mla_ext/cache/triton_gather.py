@@ -205,6 +205,16 @@ def triton_not_supported_reasons(src_cache: Tensor, dst: Tensor, kv_cache_dtype:
     return why
 
 
+def _block_rows(dst_rows: int) -> int:
+    """Rows per program. The interpreter pays per program, so it gets big tiles. On a
+    GPU 32 rows x 64 (or 128 byte) columns give each of 128 threads 16-byte vectors;
+    below 64K rows, 16-row tiles keep >= 4 programs per SM (132 on an H100/H200) so
+    enough loads are in flight."""
+    if _interpreting():
+        return 64
+    return 32 if dst_rows >= 65536 else 16
+
+
 def _i32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -260,8 +270,7 @@ def gather_triton(
                and src_cache.stride(1) % 4 == 0 and src_cache.storage_offset() % 4 == 0)
     src_f32 = src_cache.view(torch.float32) if aligned else src_cache
     src_bf16 = src_cache.view(torch.bfloat16) if aligned else src_cache
-    interp = _interpreting()
-    rows = block_rows or (64 if interp else 32)
+    rows = block_rows or _block_rows(dst.shape[0])
     grid = (triton.cdiv(dst.shape[0], rows),)
     _gather_kernel[grid](
         src_cache, src_f32, src_bf16, dst, bt, cu, starts, scale,
@@ -270,6 +279,7 @@ def gather_triton(
         src_cache.stride(0), src_cache.stride(1), src_cache.stride(2),
         bt.stride(0), bt.stride(1), dst.stride(0), dst.stride(1),
         MODE=mode, HAS_STARTS=seq_starts is not None, ALIGNED=aligned,
-        BLOCK_R=rows, BLOCK_C=64, num_warps=4,
+        # 16 bytes per thread per row chunk: 64 columns of 2-4 byte values, 128 of bytes.
+        BLOCK_R=rows, BLOCK_C=128 if src_cache.element_size() == 1 else 64, num_warps=4,
     )
     return out
