@@ -145,7 +145,7 @@ CASES = [  # (fmt, interleave, gather backend, dst dtype, fixed chunk lens or No
     ("fp8", 1, "reference", torch.bfloat16, None),
     ("fp8_ds_mla", 16, "triton", torch.bfloat16, None),
     ("bfloat16", 3, "triton", torch.bfloat16, None),
-    ("fp8_e5m2", 5, "reference", torch.float32, None),
+    ("fp8_e5m2", 5, "api", torch.float32, None),  # the default: the public op
     ("fp8", 64, "triton", torch.float32, [0, 0, 0, 0]),  # nothing to gather on any rank
     ("fp8", 64, "triton", torch.float32, [40, 0, 60, 1]),  # rank 1 holds no row of the chunks
 ]
@@ -156,7 +156,7 @@ def _worker(rank: int, port: int, world: int) -> None:
                             world_size=world)
     try:
         from mla_ext.cache.triton_gather import gather_triton
-        gathers = {"reference": ref.gather_ref, "triton": gather_triton}
+        gathers = {"reference": ref.gather_ref, "triton": gather_triton, "api": None}
         for i, (fmt, interleave, backend, dtype, fixed) in enumerate(CASES):
             ctx_lens = [45, 0, 130, 1]
             glob, local, ks = make_world(11 + i, fmt, ctx_lens, world, interleave)

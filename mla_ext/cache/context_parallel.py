@@ -183,12 +183,9 @@ def _all_gather(out: Tensor, local: Tensor, group) -> None:
 
 
 def _default_gather() -> GatherFn:
-    try:
-        from mla_ext.cache import api  # the public op (dispatches CUDA / Triton / CPU)
-        return api.gather_and_maybe_dequant_cache
-    except (ImportError, AttributeError):
-        from mla_ext.cache.reference import gather_ref
-        return gather_ref
+    from mla_ext.cache import api  # the public op (dispatches CUDA / CPU / Triton)
+
+    return api.gather_and_maybe_dequant_cache
 
 
 def cp_gather_context(
@@ -203,7 +200,7 @@ def cp_gather_context(
     GLOBAL chunk lengths/starts (host ints, identical on every rank). `dst` is
     `[>= sum(seq_lens), W]` with the gather's output dtype and width; rows past the
     sum are untouched. `gather` has the signature of `gather_and_maybe_dequant_cache`
-    (default: the public op, or the reference when the op is not built).
+    (default: that public op).
     Returns `dst[:sum(seq_lens)]`.
     """
     _check_cp(cp_size, interleave, rank)
