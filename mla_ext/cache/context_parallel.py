@@ -57,13 +57,21 @@ def cp_local_lens(ctx_lens, cp_size: int, rank: int, interleave: int):
     `cp_local_index`-count of `{p < n : rank(p) == rank}`.
     """
     _check_cp(cp_size, interleave, rank)
+    if isinstance(ctx_lens, (Tensor, int)):
+        return _count_below(ctx_lens, rank, cp_size, interleave)
+    return [_count_below(int(n), rank, cp_size, interleave) for n in ctx_lens]
+
+
+def _count_below(n, rank, cp_size: int, interleave: int):
+    """Positions p < n with rank(p) == rank: whole periods, plus the rank's share of the
+    last partial period. `n` and `rank` are ints or broadcastable integer tensors."""
     period = interleave * cp_size
-    if isinstance(ctx_lens, Tensor):
-        rem = ctx_lens % period - rank * interleave
-        return (ctx_lens // period) * interleave + rem.clamp(0, interleave)
-    if isinstance(ctx_lens, int):
-        return (ctx_lens // period) * interleave + min(max(ctx_lens % period - rank * interleave, 0), interleave)
-    return [cp_local_lens(int(n), cp_size, rank, interleave) for n in ctx_lens]
+    rem = n % period - rank * interleave
+    if isinstance(rem, Tensor):
+        rem = rem.clamp(0, interleave)
+    else:
+        rem = min(max(rem, 0), interleave)
+    return (n // period) * interleave + rem
 
 
 def _host_ints(x, n: int, arg: str) -> list[int]:
@@ -118,11 +126,8 @@ def cp_reorder_index(seq_lens: Sequence[int], seq_starts: Sequence[int] | None,
     cu = torch.tensor(_cumsum0(seq_lens)[:-1], **i64)
     pos = starts_t[req] + (torch.arange(total, **i64) - cu[req])
     k = cp_rank_of(pos, cp_size, interleave)
-    # Local index of pos minus local index of the chunk start on the same rank.
-    s = starts_t[req]
-    period = interleave * cp_size
-    lc_start = (s // period) * interleave + (s % period - k * interleave).clamp(0, interleave)
-    j = cp_local_index(pos, cp_size, interleave) - lc_start
+    # Local index of pos minus the local index of its chunk's start on the same rank.
+    j = cp_local_index(pos, cp_size, interleave) - _count_below(starts_t[req], k, cp_size, interleave)
     return torch.tensor(base, **i64)[k, req] + j
 
 
