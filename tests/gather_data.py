@@ -43,6 +43,16 @@ def make_cache(fmt_name: str, num_blocks: int, block_size: int, L: int, R: int,
     return cache.to(device), k_scale.to(device)
 
 
+def strided_copy(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` with the same strides (`.to()` would compact a strided view);
+    the gaps between its elements hold POISON_BYTE."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    flat = torch.empty(span * t.element_size(), dtype=torch.uint8, device=device).fill_(POISON_BYTE)
+    out = flat.view(t.dtype).as_strided(t.shape, t.stride())
+    out.copy_(t)
+    return out
+
+
 def make_batch(rng: random.Random, num_reqs: int, num_blocks: int, block_size: int,
                max_blocks: int, bad_ids: bool = False, lens=None):
     """block_table (shuffled block ids), cu_seq_lens, seq_starts for `num_reqs` requests.
