@@ -1,6 +1,8 @@
 """kv_b_proj Triton kernels called directly: ragged shapes (K not a multiple of the
 tile), argument errors, the activation quantizer; CUDA-only checks marked."""
 import pytest
+
+pytest.importorskip("triton")  # a CPU-only torch install need not have triton
 import torch
 
 from mla_ext.kv_b_proj import quant
