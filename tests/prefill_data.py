@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from mla_ext.cache import reference as cache_ref
 from mla_ext.kv_b_proj import weights as W
 from mla_ext.models import MLAModelConfig
 from mla_ext.prefill.layer import MLAPrefill
+from mla_ext.prefill.synthetic import SyntheticBatch
 
 # DeepSeek latent dims (fp8_ds_mla needs L=512, R=64); few, narrow heads.
 TINY = MLAModelConfig(
@@ -37,60 +37,18 @@ def make_weight(kind: str, w: torch.Tensor) -> W.WeightFormat:
     raise AssertionError(kind)
 
 
-class Batch:
-    """Random requests whose context already sits in a paged cache."""
+class Batch(SyntheticBatch):
+    """A SyntheticBatch of the TINY model whose context is the same for every
+    layer, kept per request (`ctx_kv_c[r]`, `ctx_k_pe[r]`) for the oracle."""
 
-    def __init__(self, ctx_lens, q_lens, gen: torch.Generator):
-        self.ctx_lens, self.q_lens = list(ctx_lens), list(q_lens)
-        m = TINY
-        blocks_per_req = [max(1, math.ceil(c / BLOCK)) for c in ctx_lens]
-        self.num_blocks = sum(blocks_per_req) + 3
-        ids = torch.randperm(self.num_blocks, generator=gen).to(torch.int32)
-        width = max(blocks_per_req)
-        self.block_table = torch.full((len(ctx_lens), width), -1, dtype=torch.int32)
-        pos = 0
-        for r, nb in enumerate(blocks_per_req):
-            self.block_table[r, :nb] = ids[pos:pos + nb]
-            pos += nb
-        T = sum(q_lens)
-        self.q = torch.randn(T, m.num_heads, m.P + m.R, generator=gen).to(torch.bfloat16)
-        self.kv_c_new = torch.randn(T, m.L, generator=gen).to(torch.bfloat16)
-        self.k_pe_new = torch.randn(T, m.R, generator=gen).to(torch.bfloat16)
-        self.ctx_kv_c = [torch.randn(c, m.L, generator=gen).to(torch.bfloat16) for c in ctx_lens]
-        self.ctx_k_pe = [torch.randn(c, m.R, generator=gen).to(torch.bfloat16) for c in ctx_lens]
-
-    def slots(self, r: int) -> torch.Tensor:
-        pos = torch.arange(self.ctx_lens[r])
-        return (self.block_table[r, pos // BLOCK].long() * BLOCK + pos % BLOCK)
+    def __init__(self, ctx_lens, q_lens, seed: int):
+        super().__init__(TINY, ctx_lens, q_lens, BLOCK, seed=seed)
+        kv_c, k_pe = self.layer_context(0)
+        self.ctx_kv_c = list(kv_c.split(self.ctx_lens))
+        self.ctx_k_pe = list(k_pe.split(self.ctx_lens))
 
     def fill_cache(self, layer: MLAPrefill, k_scale) -> torch.Tensor:
-        spec = layer.spec
-        cache = torch.full(spec.cache_shape(self.num_blocks), 0, dtype=spec.storage_dtype)
-        if spec.storage_dtype == torch.uint8:
-            cache.fill_(0x7F)  # poison: e4m3 NaN everywhere a token is not written
-        else:
-            cache.fill_(float("nan"))
-        for r in range(len(self.ctx_lens)):
-            if self.ctx_lens[r]:
-                layer.write_cache(self.ctx_kv_c[r], self.ctx_k_pe[r], cache, self.slots(r), k_scale)
-        return cache
-
-    def cached_rows(self, layer: MLAPrefill, cache, k_scale):
-        """What the cache holds for each request, dequantized by the reference."""
-        m = TINY
-        kv_c, k_pe = [], []
-        scale = k_scale if k_scale is not None else torch.ones(1)
-        for r, c in enumerate(self.ctx_lens):
-            # A native cache is gathered in its own dtype (no reinterpretation).
-            dt = torch.float32 if layer.spec.is_quantized else layer.spec.storage_dtype
-            dst = torch.empty(c, m.L + m.R, dtype=dt)
-            cu = torch.tensor([0, c], dtype=torch.int32)
-            cache_ref.gather_ref(cache, dst, self.block_table[r:r + 1], cu, 1,
-                                 layer.spec.kv_cache_dtype, scale)
-            kv_c.append(dst[:, : m.L].float())
-            k_pe.append(dst[:, m.L:].float())
-        return kv_c, k_pe
-
+        return super().fill_cache(layer, torch.cat(self.ctx_kv_c), torch.cat(self.ctx_k_pe), k_scale)
 
 
 def fill_local_cache(batch: Batch, layer: MLAPrefill, k_scale, cp_size: int, rank: int,

@@ -35,7 +35,7 @@ def _worker(rank: int, port: int, world: int) -> None:
     try:
         for i, (fmt, index, wkind, interleave, rows) in enumerate(CASES):
             gen = torch.Generator().manual_seed(500 + i)
-            batch = Batch(ctx_lens=[70, 0, 21, 1, 40], q_lens=[3, 2, 1, 2, 4], gen=gen)
+            batch = Batch(ctx_lens=[70, 0, 21, 1, 40], q_lens=[3, 2, 1, 2, 4], seed=i)
             w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L, generator=gen)
             w /= math.sqrt(TINY.L)
             cfg = CacheConfig(kv_cache_dtype=fmt, skip_layers=(0,), block_size=BLOCK)

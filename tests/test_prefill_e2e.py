@@ -39,7 +39,7 @@ STACK = [
 def test_stack_matches_one_shot_dense(workspace_rows):
     gen = torch.Generator().manual_seed(1234 + workspace_rows)
     # A long request beside short ones, one without context, one single token.
-    batch = Batch(ctx_lens=[70, 0, 5, 1, 33], q_lens=[3, 2, 1, 2, 4], gen=gen)
+    batch = Batch(ctx_lens=[70, 0, 5, 1, 33], q_lens=[3, 2, 1, 2, 4], seed=workspace_rows)
     k_scale = torch.tensor([0.02], dtype=torch.float32)
     meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens, k_scale)
     seen_formats = set()
