@@ -5,7 +5,8 @@
 # 1. builds the extension against the machine's own torch for the local GPU arch,
 # 2. prints build facts (python -m mla_ext info),
 # 3. runs the CUDA-marked tests,
-# 4. runs every benchmarks/bench_*.py at quick sizes,
+# 4. runs the compiled kernels' CUDA tests under compute-sanitizer memcheck,
+# 5. runs `python -m mla_ext demo --full` and every benchmarks/bench_*.py at quick sizes,
 # and writes logs plus summary.md (a table of steps, status and seconds) to
 # OUTDIR. Each step has its own time limit so the whole run fits in 8 minutes.
 set -u
@@ -57,6 +58,8 @@ if [ $built -eq 0 ]; then
   else
     echo "| memcheck | SKIPPED (no compute-sanitizer) | 0 | |" >> "$summary"
   fi
+  # The main job at full size (DeepSeek-V3 TP8 shapes), checked against the oracle.
+  step demo 150 "$py" -m mla_ext demo --full
   for b in benchmarks/bench_*.py; do
     [ -e "$b" ] || continue
     name="bench_$(basename "$b" .py | sed 's/^bench_//')"
