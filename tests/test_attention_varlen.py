@@ -254,3 +254,22 @@ def test_triton_attention_compiles_for_sm86_and_sm90_within_shared_memory():
     if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
         pytest.skip("Triton's ptxas is not available")
     assert r.returncode == 0 and "AOT-OK" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(max_seqlen_q=True), "max_seqlen_q: expected an int"),
+    (dict(max_seqlen_q=4.7), "max_seqlen_q: expected an int"),
+    (dict(max_seqlen_k=None), "max_seqlen_k: expected an int"),
+    (dict(max_seqlen_k=-1), "max_seqlen_k: expected an int >= 0"),
+    (dict(causal="no"), "causal: expected a bool"),
+    (dict(causal=1), "causal: expected a bool"),
+    (dict(softmax_scale="0.1"), "softmax_scale: expected a finite positive number"),
+    (dict(softmax_scale=True), "softmax_scale: expected a finite positive number"),
+])
+def test_attention_scalar_arguments_are_checked(over, match):
+    """Scalars are not coerced: 4.7 rows, causal="no" (truthy) or None would be silent wrong results."""
+    q, k, v = make_qkv([4], [4], 2, 16, 8, torch.float32)
+    args = dict(max_seqlen_q=4, max_seqlen_k=4, softmax_scale=0.1, causal=False)
+    args.update(over)
+    with pytest.raises(ValueError, match=match):
+        varlen_attention(q, k, v, cu([4]), cu([4]), **args)

@@ -18,6 +18,8 @@ data-dependent shapes), so both can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 from dataclasses import dataclass
 
@@ -52,6 +54,31 @@ def _triton_reasons(tensors: list[torch.Tensor]) -> list[str]:
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+# Scalars are checked, not coerced: int(4.7), bool("no") or float("0.1") would
+# turn a caller's mistake into a silently different computation.
+def _count(value, name: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    try:
+        n = operator.index(value)  # ints and numpy integers, not floats
+    except TypeError:
+        raise ValueError(f"{name}: expected an int >= 0, got {value!r}") from None
+    _check(n >= 0, f"{name}: expected an int >= 0, got {n}")
+    return n
+
+
+def _flag(value, name: str) -> bool:
+    _check(isinstance(value, bool), f"{name}: expected a bool, got {value!r}")
+    return value
+
+
+def _scale(value) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and value > 0
+    _check(ok, f"softmax_scale: expected a finite positive number, got {value!r}")
+    return float(value)
 
 
 # ---------------------------------------------------------------------------
@@ -131,10 +158,6 @@ def _validate_attention(x: AttentionInputs) -> None:
     _check(x.cu_seqlens_q.numel() == x.cu_seqlens_k.numel(),
            f"cu_seqlens_k: expected {x.cu_seqlens_q.numel()} entries (as cu_seqlens_q), "
            f"got {x.cu_seqlens_k.numel()}")
-    _check(int(x.max_seqlen_q) >= 0 and int(x.max_seqlen_k) >= 0,
-           "max_seqlen_q, max_seqlen_k: expected non-negative integers")
-    _check(math.isfinite(x.softmax_scale) and x.softmax_scale > 0,
-           f"softmax_scale: expected a finite positive number, got {x.softmax_scale}")
     if q.device.type == "cpu":
         # Checked mode: on the CPU the offsets are host data, so out-of-range
         # requests are caught here instead of becoming out-of-bounds reads.
@@ -180,8 +203,9 @@ def varlen_attention(
     just o when return_lse is False. max_seqlen_q/k must bound the request
     lengths (checked on CPU; on CUDA it sizes the grid without a sync).
     """
-    x = AttentionInputs(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                        int(max_seqlen_k), float(softmax_scale), bool(causal))
+    x = AttentionInputs(q, k, v, cu_seqlens_q, cu_seqlens_k, _count(max_seqlen_q, "max_seqlen_q"),
+                        _count(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale),
+                        _flag(causal, "causal"))
     _validate_attention(x)
     o, lse = ATTENTION(x)
     return (o, lse) if return_lse else o
