@@ -371,3 +371,24 @@ def test_cuda_gather_is_graph_capturable():
     want = torch.empty(dst.shape, dtype=dst.dtype)
     ref.gather_ref(cache.cpu(), want, bt.cpu(), cu.cpu(), 4, "fp8", k_scale.cpu(), starts.cpu())
     assert same_bits(dst.cpu(), want)
+
+
+@pytest.mark.parametrize("op", ["gather", "cp_gather"])
+def test_validate_rejects_rows_past_dst(op):
+    """Checked mode: cu_seq_lens past dst would silently drop context rows (the
+    kernels clip at dst.size(0)); validate=True names the request instead."""
+    a = _gather_args(dst=torch.zeros(6, 576, dtype=torch.bfloat16))
+    if op == "cp_gather":
+        a["dst"] = torch.zeros(6, 576, dtype=torch.uint8)
+        del a["kv_cache_dtype"], a["k_scale"]
+        fn = api.cp_gather_cache
+    else:
+        fn = api.gather_and_maybe_dequant_cache
+    with pytest.raises(ValueError, match=r"cu_seq_lens: request 1 ends at row 8 .* dst has 6 rows"):
+        fn(**a, validate=True)
+    fn(**a)  # unchecked: the documented clip, no error
+
+
+def test_explain_unknown_op_lists_the_ops():
+    with pytest.raises(ValueError, match="op: unknown 'foo'; expected one of"):
+        api.explain("foo", None)

@@ -22,7 +22,7 @@ Out-of-range policy (every backend; see csrc/cache/cache_kernels.h):
     block_size are skipped.
   * `validate=True` reads the index tensors on the host (a sync; not for CUDA
     graphs) and raises ValueError naming the request and the block (or the
-    token and the slot) instead.
+    token and the slot, or the request whose rows end past dst) instead.
   * k_scale must be finite and > 0: checked whenever it is on the CPU (free),
     and on a GPU only with validate=True (reading it there would sync).
   * num_reqs may be smaller than cu_seq_lens.numel() - 1 (extra entries are
@@ -180,8 +180,9 @@ def concat_and_cache_mla(
     WRITE(TensorInputs((kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)))
 
 
-def _validate_gather_ids(info, block_table, cu_seq_lens, num_reqs, seq_starts) -> None:
-    checks.check_block_ids(block_table, cu_seq_lens, num_reqs, seq_starts, info.num_blocks, info.block_size)
+def _validate_gather_ids(info, dst, block_table, cu_seq_lens, num_reqs, seq_starts) -> None:
+    checks.check_block_ids(block_table, cu_seq_lens, num_reqs, seq_starts, info.num_blocks, info.block_size,
+                           dst_rows=dst.size(0))
 
 
 def gather_and_maybe_dequant_cache(
@@ -203,7 +204,7 @@ def gather_and_maybe_dequant_cache(
     if not info.raw:
         _check_scale(k_scale, info.fmt, validate)
     if validate:
-        _validate_gather_ids(info, block_table, cu_seq_lens, num_reqs, seq_starts)
+        _validate_gather_ids(info, dst, block_table, cu_seq_lens, num_reqs, seq_starts)
     GATHER(GatherInputs(src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale,
                         seq_starts))
     return dst
@@ -216,7 +217,7 @@ def cp_gather_cache(
     """Raw gather: the rows of gather_and_maybe_dequant_cache, bytes unchanged; returns dst."""
     info = checks.validate_cp_gather_args(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts)
     if validate:
-        _validate_gather_ids(info, block_table, cu_seq_lens, num_reqs, seq_starts)
+        _validate_gather_ids(info, dst, block_table, cu_seq_lens, num_reqs, seq_starts)
     GATHER(GatherInputs(src_cache, dst, block_table, cu_seq_lens, num_reqs, None, None, seq_starts))
     return dst
 
@@ -281,5 +282,7 @@ def backend_report(device: str | torch.device | None = None) -> list[tuple[str, 
 
 def explain(op: str, inputs) -> str:
     """Which backend serves `inputs` for op 'gather' | 'write' | 'kv_scale', and why not the others."""
-    disp = {"gather": GATHER, "cp_gather": GATHER, "write": WRITE, "kv_scale": KV_SCALE}[op]
-    return disp.explain(inputs)
+    dispatchers = {"gather": GATHER, "cp_gather": GATHER, "write": WRITE, "kv_scale": KV_SCALE}
+    if op not in dispatchers:
+        raise ValueError(f"op: unknown {op!r}; expected one of {', '.join(dispatchers)}")
+    return dispatchers[op].explain(inputs)

@@ -242,12 +242,13 @@ def validate_cp_gather_args(src_cache, dst, block_table, cu_seq_lens, num_reqs, 
 
 def check_block_ids(
     block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int, seq_starts: Tensor | None,
-    num_blocks: int, block_size: int,
+    num_blocks: int, block_size: int, dst_rows: int | None = None,
 ) -> None:
     """Reads the index tensors (host sync) and raises naming the first bad request and block.
 
-    Checks: cu_seq_lens starts at >= 0 and never decreases, seq_starts are >= 0,
-    every logical block a request touches is inside the table width, and its
+    Checks: cu_seq_lens starts at >= 0 and never decreases, no request ends past
+    `dst_rows` (the kernels would drop its rows), seq_starts are >= 0, every
+    logical block a request touches is inside the table width, and its
     physical block id is in [0, num_blocks).
     """
     cu = cu_seq_lens.to("cpu", torch.int64).tolist()
@@ -260,6 +261,10 @@ def check_block_ids(
         n = cu[r + 1] - cu[r]
         if n < 0:
             raise ValueError(f"cu_seq_lens: request {r} has a negative length ({cu[r]} -> {cu[r + 1]})")
+        if dst_rows is not None and cu[r + 1] > dst_rows:
+            raise ValueError(
+                f"cu_seq_lens: request {r} ends at row {cu[r + 1]} but dst has {dst_rows} rows"
+            )
         if n == 0:
             continue
         s = starts[r] if starts is not None else 0
