@@ -210,3 +210,18 @@ def test_plan_drives_gather_and_attention_end_to_end():
     assert torch.equal(torch.isneginf(acc_lse), torch.isneginf(full_lse))
     fin = torch.isfinite(full_lse)
     assert torch.allclose(acc_lse[fin], full_lse[fin], atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [5.5, True, "7", None])
+def test_lengths_must_be_ints(bad):
+    """int(5.5) would plan 5 rows of a 5.5-row context: lengths are checked, not coerced."""
+    with pytest.raises(ValueError, match=r"context_lens\[1\]: expected an int >= 0"):
+        plan_context_chunks([4, bad], [1, 1], 16, 4)
+    with pytest.raises(ValueError, match=r"query_lens\[0\]: expected an int >= 0"):
+        plan_context_chunks([4, 4], [bad, 1], 16, 4)
+
+
+def test_numpy_ints_are_lengths():
+    np = pytest.importorskip("numpy")
+    plan = plan_context_chunks(np.array([4, 8]), np.array([1, 2]), 16, 4)
+    assert plan.chunks[0].chunk_lens == (4, 8)

@@ -102,3 +102,11 @@ def test_bad_kv_b_proj_shape_raises():
     w = torch.randn(10, TINY.L)
     with pytest.raises(ValueError, match="kv_b_proj: expected"):
         MLAPrefill(TINY, DS, make_weight("dense", w), layer=1)
+
+
+def test_metadata_lengths_are_ints():
+    bt = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"context_lens\[0\]: expected an int >= 0"):
+        PrefillMetadata(bt, (16.5, 3), (1, 1))
+    with pytest.raises(ValueError, match=r"query_lens\[1\]: expected an int >= 0"):
+        PrefillMetadata(bt, (16, 3), (1, True))

@@ -47,6 +47,7 @@ How to use a plan (one MLA layer, see SPEC §1):
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -63,6 +64,21 @@ def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return value
+
+
+def lengths(values: Sequence[int], name: str) -> list[int]:
+    """Host token counts as ints >= 0 (numpy integers accepted). Not coerced:
+    int(5.5) or a bool would silently plan a different batch."""
+    out = []
+    for i, v in enumerate(values):
+        try:
+            n = None if isinstance(v, bool) else operator.index(v)
+        except TypeError:
+            n = None
+        if n is None or n < 0:
+            raise ValueError(f"{name}[{i}]: expected an int >= 0, got {v!r}")
+        out.append(n)
+    return out
 
 
 def workspace_alignment(block_size: int, cp_size: int = 1, cp_interleave: int = 1) -> int:
@@ -191,16 +207,12 @@ def plan_context_chunks(
     exactly one chunk; no chunk has more than W rows; only a chunk's first
     request can continue from an earlier chunk; split points are multiples of A.
     """
-    ctx = [int(x) for x in context_lens]
-    qlens = [int(x) for x in query_lens]
+    ctx = lengths(context_lens, "context_lens")
+    qlens = lengths(query_lens, "query_lens")
     if len(ctx) != len(qlens):
         raise ValueError(
             f"query_lens: expected {len(ctx)} entries (as context_lens), got {len(qlens)}"
         )
-    if any(x < 0 for x in ctx):
-        raise ValueError(f"context_lens: expected non-negative lengths, got {ctx}")
-    if any(x < 0 for x in qlens):
-        raise ValueError(f"query_lens: expected non-negative lengths, got {qlens}")
     W = _positive_int(workspace_rows, "workspace_rows")
     A = _positive_int(alignment, "alignment")
     if W % A:

@@ -33,6 +33,7 @@ from mla_ext.models import MLAModelConfig
 from mla_ext.policy import CacheConfig, LayerCacheSpec, resolve_layer
 from mla_ext.prefill.chunking import (
     ChunkPlan,
+    lengths,
     plan_context_chunks,
     workspace_alignment,
     workspace_rows,
@@ -89,8 +90,8 @@ class PrefillMetadata:
     _cu_q: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        self.context_lens = tuple(int(x) for x in self.context_lens)
-        self.query_lens = tuple(int(x) for x in self.query_lens)
+        self.context_lens = tuple(lengths(self.context_lens, "context_lens"))
+        self.query_lens = tuple(lengths(self.query_lens, "query_lens"))
         if len(self.context_lens) != len(self.query_lens):
             raise ValueError(
                 f"query_lens: expected {len(self.context_lens)} entries (as context_lens), "
