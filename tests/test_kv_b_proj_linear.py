@@ -226,3 +226,21 @@ def test_cuda_auto_dispatch_matches_reference(name, dt, m):
     else:
         expect = _expect(layer, x.cpu(), backend)
     _check(y.cpu(), expect, dt, weight_only=backend in ("marlin_w8a16", "triton_w4a16"))
+
+
+def test_bad_scalar_and_non_tensor_inputs_raise_value_error():
+    """x that is not a tensor, a non-finite x_scale (checked where reading it is free:
+    on the CPU), and an M that is not a row count are errors, not NaN outputs or
+    a dispatch decision for M=True."""
+    layer = KvBProj(W.Fp8BlockWeight.from_dense(_weights(), torch.bfloat16))
+    with pytest.raises(ValueError, match="x: expected a torch.Tensor"):
+        layer(None)
+    xq = torch.ones(4, K).to(torch.float8_e4m3fn)
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="x_scale: expected a finite value > 0"):
+            layer(xq, torch.tensor([bad]))
+    for m in (True, -1, 2.5):
+        with pytest.raises(ValueError, match="M: expected an int >= 0"):
+            layer.explain(m)
+        with pytest.raises(ValueError, match="M: expected an int >= 0"):
+            layer.backend_for(m)

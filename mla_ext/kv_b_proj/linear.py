@@ -268,6 +268,11 @@ DISPATCH = Dispatcher(OP, [
 ])
 
 
+def _check_rows(M) -> None:
+    if isinstance(M, bool) or not isinstance(M, int) or M < 0:
+        raise ValueError(f"M: expected an int >= 0 (rows of x), got {M!r}")
+
+
 class KvBProj:
     """kv_b_proj up-projection: y [M, N] = x [M, K] @ W^T, W in any weight format.
 
@@ -317,6 +322,8 @@ class KvBProj:
         return KvBProjInputs(self, M, device, _capability(device), act_dtype, x, x_scale, out)
 
     def _check(self, x: torch.Tensor, x_scale, out) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x: expected a torch.Tensor [M, K={self.K}], got {type(x).__name__}")
         if x.dim() != 2 or x.shape[1] != self.K:
             raise ValueError(f"x must be 2-D [M, K={self.K}], got shape {tuple(x.shape)}")
         if x.dtype in FP8_DTYPES:
@@ -330,6 +337,11 @@ class KvBProj:
             raise ValueError(f"x must be on {self.device}, got {x.device}")
         if x_scale is not None and (x_scale.numel() != 1 or not x_scale.dtype.is_floating_point):
             raise ValueError(f"x_scale must be a one-element float tensor, got {x_scale.dtype} {tuple(x_scale.shape)}")
+        if x_scale is not None and x_scale.device.type == "cpu":
+            # Free on the CPU; on a GPU reading it would sync the host (the caller owns it there).
+            v = float(x_scale.reshape(()))
+            if not (0.0 < v < float("inf")):
+                raise ValueError(f"x_scale: expected a finite value > 0, got {v}")
         if out is not None and (tuple(out.shape) != (x.shape[0], self.N) or out.dtype != self.params_dtype
                                 or out.device != x.device or out.stride(1) != 1):
             raise ValueError(f"out must be {self.params_dtype} [{x.shape[0]}, {self.N}] on {x.device} "
@@ -347,10 +359,12 @@ class KvBProj:
     __call__ = forward
 
     def backend_for(self, M: int, device=None, act_dtype: torch.dtype | None = None) -> str:
+        _check_rows(M)
         return DISPATCH.choose(self._inputs(M, device or self.device, act_dtype or self.params_dtype)).name
 
     def explain(self, M: int, device=None, act_dtype: torch.dtype | None = None) -> str:
         """Which backend serves M rows, and why every other one does not."""
+        _check_rows(M)
         device = torch.device(device or self.device)
         cap = _capability(device)
         head = (f"{self.weight_format.describe()} on {device}"
