@@ -188,3 +188,14 @@ def _free_port() -> int:
 
 def test_two_ranks_over_gloo_equal_single_rank_gather():
     mp.spawn(_worker, args=(_free_port(), 2), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(cp_size=True), "cp_size"), (dict(interleave=True), "interleave"), (dict(rank=False), "rank"),
+    (dict(cp_size=2.0), "cp_size"),
+])
+def test_cp_arguments_reject_bools_and_floats(kw, match):
+    args = dict(cp_size=2, rank=0, interleave=1)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        cp.cp_local_lens(10, args["cp_size"], args["rank"], args["interleave"])

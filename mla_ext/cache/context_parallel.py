@@ -30,12 +30,16 @@ from torch import Tensor
 GatherFn = Callable[..., object]
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _check_cp(cp_size: int, interleave: int, rank: int | None = None) -> None:
-    if not isinstance(cp_size, int) or cp_size < 1:
+    if not _is_int(cp_size) or cp_size < 1:
         raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
-    if not isinstance(interleave, int) or interleave < 1:
+    if not _is_int(interleave) or interleave < 1:
         raise ValueError(f"interleave: expected an int >= 1, got {interleave!r}")
-    if rank is not None and not (isinstance(rank, int) and 0 <= rank < cp_size):
+    if rank is not None and not (_is_int(rank) and 0 <= rank < cp_size):
         raise ValueError(f"rank: expected an int in [0, {cp_size}), got {rank!r}")
 
 
