@@ -509,6 +509,12 @@ void marlin_check_shape(int64_t N, int64_t K, int64_t group_size) {
 
 int64_t marlin_groups(int64_t K, int64_t group_size) { return group_size > 0 ? K / group_size : 1; }
 
+// A failed launch (e.g. no kernel image for this GPU) must raise, not return
+// an output that was never written.
+[[maybe_unused]] void marlin_check_launch(int err, const char* op) {
+  TORCH_CHECK(err == 0, op, ": CUDA kernel launch failed with cudaError_t ", err);
+}
+
 void marlin_check_aligned16(const at::Tensor& t, const char* arg) {
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, arg,
                     ": expected a 16-byte aligned data pointer (cp.async)");
@@ -582,7 +588,8 @@ std::tuple<at::Tensor, at::Tensor> marlin_fp8_repack(const at::Tensor& w, const 
 #ifdef MLA_EXT_WITH_CUDA
     TORCH_CHECK_VALUE(w.is_cuda(), "w_fp8: expected a CPU or CUDA tensor, got ", w.device());
     c10::cuda::CUDAGuard guard(w.device());
-    mf::marlin_fp8_repack_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+    marlin_check_launch(mf::marlin_fp8_repack_cuda(p, c10::cuda::getCurrentCUDAStream().stream()),
+                        "marlin_fp8_repack");
 #else
     TORCH_CHECK_VALUE(false, "w_fp8: expected a CPU tensor (built without CUDA), got ", w.device());
 #endif
@@ -607,7 +614,8 @@ at::Tensor marlin_fp8_dequantize(const at::Tensor& qweight, const at::Tensor& sc
 #ifdef MLA_EXT_WITH_CUDA
     TORCH_CHECK_VALUE(qweight.is_cuda(), "qweight: expected a CPU or CUDA tensor, got ", qweight.device());
     c10::cuda::CUDAGuard guard(qweight.device());
-    mf::marlin_fp8_dequantize_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+    marlin_check_launch(mf::marlin_fp8_dequantize_cuda(p, c10::cuda::getCurrentCUDAStream().stream()),
+                        "marlin_fp8_dequantize");
 #else
     TORCH_CHECK_VALUE(false, "qweight: expected a CPU tensor (built without CUDA), got ", qweight.device());
 #endif
@@ -658,7 +666,7 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   p.ldc = N;
   p.out = odt == at::kFloat ? mf::OutKind::kFp32 : (odt == at::kHalf ? mf::OutKind::kFp16 : mf::OutKind::kBf16);
   c10::cuda::CUDAGuard guard(a.device());
-  mf::marlin_fp8_gemm_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+  marlin_check_launch(mf::marlin_fp8_gemm_cuda(p, c10::cuda::getCurrentCUDAStream().stream()), "marlin_fp8_gemm");
   return c;
 #else
   TORCH_CHECK_VALUE(false, "a: expected a CPU tensor (built without CUDA), got ", a.device());
@@ -783,7 +791,8 @@ void merge_attn_states_cuda_op(at::Tensor output, std::optional<at::Tensor> outp
       merge_params(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse);
   TORCH_CHECK_VALUE(output.is_cuda(), "output: expected a CUDA tensor, got ", output.device());
   const c10::cuda::CUDAGuard guard(output.device());
-  merge_attn_states_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+  const int err = merge_attn_states_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "merge_attn_states: CUDA kernel launch failed with cudaError_t ", err);
 }
 #endif
 

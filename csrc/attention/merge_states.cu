@@ -116,7 +116,7 @@ void launch(const MergeParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-void merge_attn_states_cuda(const MergeParams& p, void* stream) {
+int merge_attn_states_cuda(const MergeParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
     case MergeDType::kFloat32:
@@ -129,6 +129,7 @@ void merge_attn_states_cuda(const MergeParams& p, void* stream) {
       launch<__nv_bfloat16>(p, s);
       break;
   }
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace mla_ext

@@ -49,8 +49,8 @@ void merge_attn_states_cpu(const MergeParams& p);
 #ifdef MLA_EXT_WITH_CUDA
 // Enqueues on `stream` (a cudaStream_t); never synchronises the host. Uses
 // 16-byte vector accesses when every pointer and row stride allows it,
-// otherwise element accesses.
-void merge_attn_states_cuda(const MergeParams& p, void* stream);
+// otherwise element accesses. Returns the cudaError_t of the launch (0 = success).
+int merge_attn_states_cuda(const MergeParams& p, void* stream);
 #endif
 
 }  // namespace mla_ext

@@ -252,10 +252,13 @@ void marlin_fp8_repack_cpu(const RepackParams& p);
 void marlin_fp8_dequantize_cpu(const DequantParams& p);
 void marlin_fp8_gemm_cpu(const GemmParams& p);
 
-// CUDA (csrc/kv_b_proj/marlin_fp8_*.cu); `stream` is a cudaStream_t.
-void marlin_fp8_repack_cuda(const RepackParams& p, void* stream);
-void marlin_fp8_dequantize_cuda(const DequantParams& p, void* stream);
-void marlin_fp8_gemm_cuda(const GemmParams& p, void* stream);
+// CUDA (csrc/kv_b_proj/marlin_fp8_*.cu); `stream` is a cudaStream_t. Each
+// returns the cudaError_t of its launches (0 = success) so the binding can
+// raise instead of returning an unwritten output (e.g. no kernel image for
+// the device's arch).
+int marlin_fp8_repack_cuda(const RepackParams& p, void* stream);
+int marlin_fp8_dequantize_cuda(const DequantParams& p, void* stream);
+int marlin_fp8_gemm_cuda(const GemmParams& p, void* stream);
 
 }  // namespace marlin_fp8
 }  // namespace mla_ext

@@ -197,8 +197,8 @@ void launch_for_out(const GemmParams& p, dim3 grid, cudaStream_t st) {
 
 }  // namespace
 
-void marlin_fp8_gemm_cuda(const GemmParams& p, void* stream) {
-  if (p.M == 0 || p.N == 0) return;
+int marlin_fp8_gemm_cuda(const GemmParams& p, void* stream) {
+  if (p.M == 0 || p.N == 0) return 0;
   const int64_t m_blocks = (p.M + kRows - 1) / kRows;
   const dim3 grid(static_cast<unsigned>(padded_n(p.N) / kTileN),
                   static_cast<unsigned>(m_blocks < kMaxGridY ? m_blocks : kMaxGridY));
@@ -208,6 +208,7 @@ void marlin_fp8_gemm_cuda(const GemmParams& p, void* stream) {
   } else {
     launch_for_out<ActKind::kBf16>(p, grid, st);
   }
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace marlin_fp8

@@ -72,7 +72,7 @@ int grid_for(int64_t total) {
 
 }  // namespace
 
-void marlin_fp8_repack_cuda(const RepackParams& p, void* stream) {
+int marlin_fp8_repack_cuda(const RepackParams& p, void* stream) {
   auto st = static_cast<cudaStream_t>(stream);
   const int64_t n_pad = padded_n(p.N);
   const int64_t words = n_pad / kTileN * (p.K / kTileK) * kWordsPerTile;
@@ -80,9 +80,10 @@ void marlin_fp8_repack_cuda(const RepackParams& p, void* stream) {
   const float fold = ldexpf(1.0f, fold_log2(p.act));
   const int64_t total = p.G * n_pad;
   permute_scales_kernel<<<grid_for(total), kThreads, 0, st>>>(p.scales, p.N, n_pad, total, fold, p.scales_out);
+  return static_cast<int>(cudaGetLastError());
 }
 
-void marlin_fp8_dequantize_cuda(const DequantParams& p, void* stream) {
+int marlin_fp8_dequantize_cuda(const DequantParams& p, void* stream) {
   auto st = static_cast<cudaStream_t>(stream);
   const int64_t words = padded_n(p.N) / kTileN * (p.K / kTileK) * kWordsPerTile;
   if (p.act == ActKind::kFp16) {
@@ -90,6 +91,7 @@ void marlin_fp8_dequantize_cuda(const DequantParams& p, void* stream) {
   } else {
     dequant_kernel<ActKind::kBf16><<<grid_for(words), kThreads, 0, st>>>(p, words);
   }
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace marlin_fp8
