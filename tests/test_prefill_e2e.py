@@ -110,3 +110,26 @@ def test_metadata_lengths_are_ints():
         PrefillMetadata(bt, (16.5, 3), (1, 1))
     with pytest.raises(ValueError, match=r"query_lens\[1\]: expected an int >= 0"):
         PrefillMetadata(bt, (16, 3), (1, True))
+
+
+def test_per_tensor_fp8_layers_use_their_own_k_scale():
+    """Per-tensor K scales belong to a layer (calculate_kv_scales computes one per
+    layer); one PrefillMetadata serves every layer, so forward takes the layer's
+    scale. With the batch-wide metadata scale the second layer would dequantize
+    its cache 8x too small."""
+    gen = torch.Generator().manual_seed(7)
+    batch = Batch(ctx_lens=[40, 9], q_lens=[2, 3], seed=7)
+    meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens,
+                           torch.tensor([0.02], dtype=torch.float32))
+    for index, scale in ((1, 0.02), (2, 0.16)):
+        k_scale = torch.tensor([scale], dtype=torch.float32)
+        w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L, generator=gen) / math.sqrt(TINY.L)
+        layer = MLAPrefill(TINY, FP8, make_weight("dense", w), layer=index, workspace_rows_override=32)
+        cache = batch.fill_cache(layer, k_scale)
+        out = layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta, k_scale=k_scale)
+        kv_c, k_pe = batch.cached_rows(layer, cache, k_scale)
+        ref = mla_prefill_reference(
+            batch.q, batch.kv_c_new, batch.k_pe_new, kv_c, k_pe, batch.q_lens,
+            layer.kv_b_proj.weight_format.dequantize_fp32(), TINY.P, TINY.V, layer.softmax_scale,
+        )
+        assert rel_fro(out, ref) <= 1e-2

@@ -79,7 +79,8 @@ class PrefillMetadata:
     block_table [num_reqs, max_blocks] int32 (block ids, shared by all layers);
     context_lens / query_lens: host lists (the scheduler knows them; planning
     chunks needs no device sync). k_scale: fp32 [1] per-tensor K scale for
-    per-tensor fp8 layers (ignored by others).
+    per-tensor fp8 layers (ignored by others); a default only, since K scales
+    are per layer: `MLAPrefill.forward(..., k_scale=)` overrides it.
     """
 
     block_table: Tensor
@@ -296,8 +297,12 @@ class MLAPrefill:
             )
 
     def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
-                metadata: PrefillMetadata, clock=None) -> Tensor:
+                metadata: PrefillMetadata, clock=None, *, k_scale: Tensor | None = None) -> Tensor:
         """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V].
+
+        `k_scale`: this layer's per-tensor fp32 K scale [1] (per-tensor fp8 layers;
+        K scales are per layer). Defaults to `metadata.k_scale`, which one batch's
+        layers share, so pass it whenever layers were written with different scales.
 
         `clock` (optional, for profiling; see mla_ext.prefill.timing.StepClock)
         gets `clock.mark(step)` after every step.
@@ -335,7 +340,7 @@ class MLAPrefill:
         if plan.chunks:
             E = m.L + m.R
             workspace = torch.empty(self.workspace_rows, E, dtype=self.workspace_dtype, device=device)
-            scale = self._k_scale(metadata.k_scale, device)
+            scale = self._k_scale(k_scale if k_scale is not None else metadata.k_scale, device)
             for c in plan.chunks:
                 t = c.tensors(device)
                 rows = c.total_rows
