@@ -392,3 +392,13 @@ def test_validate_rejects_rows_past_dst(op):
 def test_explain_unknown_op_lists_the_ops():
     with pytest.raises(ValueError, match="op: unknown 'foo'; expected one of"):
         api.explain("foo", None)
+
+
+def test_upstream_style_gather_call_is_an_error_not_a_wrong_gather():
+    """Upstream passes (…, cu_seq_lens, token_to_seq, num_tokens, kv_cache_dtype, …);
+    here that slot is num_reqs: a ported call must fail loudly."""
+    a = _gather_args()
+    token_to_seq = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv_cache_dtype|num_reqs"):
+        api.gather_and_maybe_dequant_cache(a["src_cache"], a["dst"], a["block_table"], a["cu_seq_lens"],
+                                           token_to_seq, 8, "fp8", a["k_scale"])

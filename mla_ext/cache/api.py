@@ -1,6 +1,10 @@
 """Public paged latent cache ops (SPEC §2, §6) over the backend dispatcher.
 
-Ops (argument order as the upstream engine's ops of the same names):
+Ops (argument order as the upstream engine's ops of the same names, with one
+difference: upstream gather_and_maybe_dequant_cache takes `token_to_seq,
+num_tokens` after cu_seq_lens (and ignores token_to_seq); here that slot is
+`num_reqs`, so an upstream-style positional call fails with a ValueError
+instead of running. concat_and_cache_mla has no trailing `skip_scale`.):
   concat_and_cache_mla            write new tokens into the cache
   gather_and_maybe_dequant_cache  gather context rows into dst, dequantizing
   cp_gather_cache                 gather raw bytes (fp8 passthrough, context parallel)
