@@ -32,7 +32,8 @@ def load_error() -> str | None:
 
 
 def ops():
-    """torch.ops.mla_ext, or a ValueError saying why the library is missing."""
+    """torch.ops.mla_ext, or a RuntimeError saying why the library is missing (a broken
+    install, not a bad argument)."""
     if _LOAD_ERROR is not None:
         raise RuntimeError(
             _LOAD_ERROR + " (build it with `pip install -e . --no-build-isolation`)"
