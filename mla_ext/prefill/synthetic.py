@@ -84,6 +84,11 @@ class SyntheticBatch:
         """For each request in `requests` (default: all, in order): the context rows
         the cache holds, decoded by the cache reference, float32 on the CPU."""
         m, spec = self.model, layer.spec
+        if spec.quant_mode == QuantMode.FP8_PER_TENSOR and k_scale is None:
+            raise ValueError(
+                f"k_scale: layer {spec.layer_index} ({spec.kv_cache_dtype}) stores per-tensor fp8; "
+                "pass the K scale its cache was written with"
+            )
         flat = cache.reshape(-1, cache.shape[-1])
         kv_c, k_pe = [], []
         for r in (range(len(self.ctx_lens)) if requests is None else requests):
