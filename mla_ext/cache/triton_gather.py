@@ -43,6 +43,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the install
     _TRITON_IMPORT_ERROR = str(_exc)
 else:
     _TRITON_IMPORT_ERROR = None
+    from mla_ext.triton_fp8 import e4m3_to_f32, e5m2_to_f32
 
 MODE_COPY, MODE_E4M3, MODE_E5M2, MODE_DS_MLA = 0, 1, 2, 3
 _FLOAT_DSTS = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,18 +55,6 @@ def _interpreting() -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _e4m3_to_f32(b):
-        """uint8 e4m3fn bits (as int32) -> float32, exact; 0x7F/0xFF -> NaN."""
-        h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-        v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-        return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-
-    @triton.jit
-    def _e5m2_to_f32(b):
-        """uint8 e5m2 bits (as int32) -> float32, exact (it is an fp16's high byte)."""
-        return (b << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _gather_kernel(
@@ -141,7 +130,7 @@ if triton is not None:
                     cols = t * 128 + tl.arange(0, 128)
                     cm = (cols < n_cols)[None, :]
                     b = tl.load(src_row[:, None] + cols[None, :] * s_col, mask=ok2 & cm, other=0)
-                    v = _e4m3_to_f32(b.to(tl.int32)) * scale[:, None]
+                    v = e4m3_to_f32(b.to(tl.int32)) * scale[:, None]
                     v = tl.where(ok2, v, 0.0)
                     tl.store(dst_row[:, None] + cols[None, :] * d_col, v, mask=live2 & cm)
             else:
@@ -152,9 +141,9 @@ if triton is not None:
                     cm = (cols < n_cols)[None, :]
                     x = tl.load(src_row[:, None] + cols[None, :] * s_col, mask=ok2 & cm, other=0)
                     if MODE == 1:
-                        x = tl.where(ok2, _e4m3_to_f32(x.to(tl.int32)) * k_scale, 0.0)
+                        x = tl.where(ok2, e4m3_to_f32(x.to(tl.int32)) * k_scale, 0.0)
                     elif MODE == 2:
-                        x = tl.where(ok2, _e5m2_to_f32(x.to(tl.int32)) * k_scale, 0.0)
+                        x = tl.where(ok2, e5m2_to_f32(x.to(tl.int32)) * k_scale, 0.0)
                     tl.store(dst_row[:, None] + cols[None, :] * d_col, x, mask=live2 & cm)
 
 

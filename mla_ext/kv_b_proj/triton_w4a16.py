@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from mla_ext.kv_b_proj import reference as ref
+from mla_ext.triton_fp8 import e4m3_to_f32
 
 
 @triton.jit
@@ -47,7 +48,9 @@ def _w4a16_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
         pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
         mag = tl.where(e == 0, mb * 0.5, (1.0 + mb * 0.5) * pow2)
         val = tl.where((nib >> 3) == 1, -mag, mag)
-        sc = tl.load(s_ptr + offs_n[None, :] * stride_sn + (k // 16)[:, None], mask=wmask, other=0.0).to(tl.float32)
+        # e4m3 block scales arrive as raw bytes: no fp8 type on sm_86.
+        sbyte = tl.load(s_ptr + offs_n[None, :] * stride_sn + (k // 16)[:, None], mask=wmask, other=0)
+        sc = e4m3_to_f32(sbyte.to(tl.int32))
         w = val * sc  # [BLOCK_K, BLOCK_N]
         if DOT_FP32:
             acc += tl.dot(a.to(tl.float32), w)
@@ -94,6 +97,6 @@ def nvfp4_w4a16_matmul(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
         return out
     cfg = _config(m)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    _w4a16_kernel[grid](x, w_packed, w_scale, global_scale, out, m, n, k,
+    _w4a16_kernel[grid](x, w_packed, w_scale.view(torch.uint8), global_scale, out, m, n, k,
                         x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0), **cfg)
     return out

@@ -1,0 +1,30 @@
+"""fp8 decoding inside Triton kernels without fp8 types.
+
+Triton's fp8e4nv type exists only on sm_89+ (on sm_86 compiling a kernel that
+loads or converts it fails: "type fp8e4nv not supported in this
+architecture"), and sm_86 is a target. So fp8 bytes are loaded as uint8 and
+decoded with integer operations, exactly, on every architecture (and in the
+interpreter). Shared by the cache gather and the NVFP4 kv_b_proj kernel.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e4m3_to_f32(b):
+    """uint8 e4m3fn bits (as int32) -> float32, exact; 0x7F/0xFF -> NaN.
+
+    Placing the 7 exponent/mantissa bits at fp16 bits 7..13 gives an fp16 of
+    value x * 2^-8 (bias 7 vs 15), subnormals included; * 256 restores it.
+    """
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def e5m2_to_f32(b):
+    """uint8 e5m2 bits (as int32) -> float32, exact (e5m2 is an fp16's high byte)."""
+    return (b << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
