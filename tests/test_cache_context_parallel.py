@@ -9,16 +9,14 @@ gloo test the all-gather; the rest is simulated in-process.
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mla_ext.cache import context_parallel as cp
 from mla_ext.cache import reference as ref
 from mla_ext.formats import get_format
+from dist_utils import run_on_gloo_ranks
 from gather_data import same_bits
 
 
@@ -151,43 +149,32 @@ CASES = [  # (fmt, interleave, gather backend, dst dtype, fixed chunk lens or No
 ]
 
 
-def _worker(rank: int, port: int, world: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        from mla_ext.cache.triton_gather import gather_triton
-        gathers = {"reference": ref.gather_ref, "triton": gather_triton, "api": None}
-        for i, (fmt, interleave, backend, dtype, fixed) in enumerate(CASES):
-            ctx_lens = [45, 0, 130, 1]
-            glob, local, ks = make_world(11 + i, fmt, ctx_lens, world, interleave)
-            lens, starts = _chunks(random.Random(i), ctx_lens)
-            if fixed is not None:
-                lens, starts = fixed, [0] * len(fixed)
-            dst = torch.full((sum(lens) + 4, 576), float("nan"), dtype=dtype)
-            cache, table = local[rank]
-            got = cp.cp_gather_context(cache, dst, table, lens, fmt, ks, cp_size=world, rank=rank,
-                                       interleave=interleave, seq_starts=starts,
-                                       gather=gathers[backend])
-            want = _want(glob, lens, starts, fmt, ks, dtype, 576)
-            if dtype == torch.bfloat16 and backend == "triton":
-                # Interpreter stores round toward zero: within one bf16 ulp.
-                ok = torch.allclose(got.float(), want.float(), rtol=2.0**-7, atol=0)
-            else:
-                ok = same_bits(got, want)
-            assert ok, f"rank {rank}: case {CASES[i]} differs from the single-rank gather"
-            assert dst[sum(lens):].isnan().all(), "rows past the chunk were written"
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, world: int) -> None:
+    from mla_ext.cache.triton_gather import gather_triton
+    gathers = {"reference": ref.gather_ref, "triton": gather_triton, "api": None}
+    for i, (fmt, interleave, backend, dtype, fixed) in enumerate(CASES):
+        ctx_lens = [45, 0, 130, 1]
+        glob, local, ks = make_world(11 + i, fmt, ctx_lens, world, interleave)
+        lens, starts = _chunks(random.Random(i), ctx_lens)
+        if fixed is not None:
+            lens, starts = fixed, [0] * len(fixed)
+        dst = torch.full((sum(lens) + 4, 576), float("nan"), dtype=dtype)
+        cache, table = local[rank]
+        got = cp.cp_gather_context(cache, dst, table, lens, fmt, ks, cp_size=world, rank=rank,
+                                   interleave=interleave, seq_starts=starts,
+                                   gather=gathers[backend])
+        want = _want(glob, lens, starts, fmt, ks, dtype, 576)
+        if dtype == torch.bfloat16 and backend == "triton":
+            # Interpreter stores round toward zero: within one bf16 ulp.
+            ok = torch.allclose(got.float(), want.float(), rtol=2.0**-7, atol=0)
+        else:
+            ok = same_bits(got, want)
+        assert ok, f"rank {rank}: case {CASES[i]} differs from the single-rank gather"
+        assert dst[sum(lens):].isnan().all(), "rows past the chunk were written"
 
 
 def test_two_ranks_over_gloo_equal_single_rank_gather():
-    mp.spawn(_worker, args=(_free_port(), 2), nprocs=2, join=True)
+    run_on_gloo_ranks(_worker, world=2)
 
 
 @pytest.mark.parametrize("kw, match", [

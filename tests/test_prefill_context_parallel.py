@@ -11,15 +11,13 @@ and the results agree within SPEC §9.
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mla_ext.policy import CacheConfig
 from mla_ext.prefill.layer import ContextParallel, MLAPrefill, PrefillMetadata
+from dist_utils import run_on_gloo_ranks
 from prefill_data import BLOCK, TINY, Batch, fill_local_cache, make_weight, rel_fro
 
 CASES = [  # (kv_cache_dtype, layer, weight format, interleave, workspace rows)
@@ -29,45 +27,34 @@ CASES = [  # (kv_cache_dtype, layer, weight format, interleave, workspace rows)
 ]
 
 
-def _worker(rank: int, port: int, world: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        for i, (fmt, index, wkind, interleave, rows) in enumerate(CASES):
-            gen = torch.Generator().manual_seed(500 + i)
-            batch = Batch(ctx_lens=[70, 0, 21, 1, 40], q_lens=[3, 2, 1, 2, 4], seed=i)
-            w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L, generator=gen)
-            w /= math.sqrt(TINY.L)
-            cfg = CacheConfig(kv_cache_dtype=fmt, skip_layers=(0,), block_size=BLOCK)
-            k_scale = torch.tensor([0.02])
-            single = MLAPrefill(TINY, cfg, make_weight(wkind, w), layer=index,
-                                workspace_rows_override=rows, max_num_seqs=8)
-            want = single(batch.q, batch.kv_c_new, batch.k_pe_new, batch.fill_cache(single, k_scale),
-                          PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens, k_scale))
+def _worker(rank: int, world: int) -> None:
+    for i, (fmt, index, wkind, interleave, rows) in enumerate(CASES):
+        gen = torch.Generator().manual_seed(500 + i)
+        batch = Batch(ctx_lens=[70, 0, 21, 1, 40], q_lens=[3, 2, 1, 2, 4], seed=i)
+        w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L, generator=gen)
+        w /= math.sqrt(TINY.L)
+        cfg = CacheConfig(kv_cache_dtype=fmt, skip_layers=(0,), block_size=BLOCK)
+        k_scale = torch.tensor([0.02])
+        single = MLAPrefill(TINY, cfg, make_weight(wkind, w), layer=index,
+                            workspace_rows_override=rows, max_num_seqs=8)
+        want = single(batch.q, batch.kv_c_new, batch.k_pe_new, batch.fill_cache(single, k_scale),
+                      PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens, k_scale))
 
-            cp = ContextParallel(group=None, cp_size=world, rank=rank, interleave=interleave)
-            layer = MLAPrefill(TINY, cfg, make_weight(wkind, w), layer=index,
-                               workspace_rows_override=rows, max_num_seqs=8, context_parallel=cp)
-            cache, table = fill_local_cache(batch, layer, k_scale, world, rank, interleave)
-            got = layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache,
-                        PrefillMetadata(table, batch.ctx_lens, batch.q_lens, k_scale))
-            if layer.chunk_alignment == single.chunk_alignment:
-                assert torch.equal(got, want), f"rank {rank}: case {CASES[i]} not bit-exact"
-            else:
-                err = rel_fro(got, want)
-                assert err <= 1e-2, f"rank {rank}: case {CASES[i]} error {err}"
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        cp = ContextParallel(group=None, cp_size=world, rank=rank, interleave=interleave)
+        layer = MLAPrefill(TINY, cfg, make_weight(wkind, w), layer=index,
+                           workspace_rows_override=rows, max_num_seqs=8, context_parallel=cp)
+        cache, table = fill_local_cache(batch, layer, k_scale, world, rank, interleave)
+        got = layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache,
+                    PrefillMetadata(table, batch.ctx_lens, batch.q_lens, k_scale))
+        if layer.chunk_alignment == single.chunk_alignment:
+            assert torch.equal(got, want), f"rank {rank}: case {CASES[i]} not bit-exact"
+        else:
+            err = rel_fro(got, want)
+            assert err <= 1e-2, f"rank {rank}: case {CASES[i]} error {err}"
 
 
 def test_two_gloo_ranks_equal_one_rank():
-    mp.spawn(_worker, args=(_free_port(), 2), nprocs=2, join=True)
+    run_on_gloo_ranks(_worker, world=2)
 
 
 def test_context_parallel_config_errors():
