@@ -133,3 +133,20 @@ def test_per_tensor_fp8_layers_use_their_own_k_scale():
             layer.kv_b_proj.weight_format.dequantize_fp32(), TINY.P, TINY.V, layer.softmax_scale,
         )
         assert rel_fro(out, ref) <= 1e-2
+
+
+def test_shared_workspace_gives_the_same_result_and_is_checked():
+    batch = Batch(ctx_lens=[40, 3], q_lens=[2, 3], seed=5)
+    w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L) / 32
+    layer = MLAPrefill(TINY, DS, make_weight("dense", w), layer=1, workspace_rows_override=32)
+    k_scale = torch.tensor([1.0])
+    cache = batch.fill_cache(layer, k_scale)
+    meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens)
+    args = (batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta)
+    # A wider buffer (row stride 600) shared by layers, poisoned.
+    shared = torch.full((64, 600), float("nan"), dtype=torch.bfloat16)[:, : TINY.L + TINY.R]
+    assert torch.equal(layer(*args, workspace=shared), layer(*args))
+    with pytest.raises(ValueError, match="workspace: layer 1 expects"):
+        layer(*args, workspace=torch.empty(16, TINY.L + TINY.R, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="workspace: layer 1 expects"):
+        layer(*args, workspace=torch.empty(64, TINY.L + TINY.R, dtype=torch.float32))

@@ -281,6 +281,21 @@ class MLAPrefill:
         k[..., m.P :] = k_pe[:, None, :]
         return k
 
+    def _workspace(self, given: Tensor | None, device) -> Tensor:
+        E = self.model.L + self.model.R
+        if given is None:
+            return torch.empty(self.workspace_rows, E, dtype=self.workspace_dtype, device=device)
+        if (not isinstance(given, Tensor) or given.dim() != 2 or given.shape[0] < self.workspace_rows
+                or given.shape[1] != E or given.dtype != self.workspace_dtype
+                or given.device != torch.device(device) or given.stride(1) != 1):
+            raise ValueError(
+                f"workspace: layer {self.layer_index} expects [>= {self.workspace_rows}, {E}] "
+                f"{self.workspace_dtype} on {device} with unit column stride, got "
+                + (f"{tuple(given.shape)} {given.dtype} on {given.device}" if isinstance(given, Tensor)
+                   else type(given).__name__)
+            )
+        return given
+
     def _gather(self, kv_cache, workspace, metadata, c, t, scale) -> None:
         """The chunk's context rows into workspace[:c.total_rows], dequantized."""
         table = metadata.block_table[c.req_start:c.req_end]
@@ -297,12 +312,18 @@ class MLAPrefill:
             )
 
     def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
-                metadata: PrefillMetadata, clock=None, *, k_scale: Tensor | None = None) -> Tensor:
+                metadata: PrefillMetadata, clock=None, *, k_scale: Tensor | None = None,
+                workspace: Tensor | None = None) -> Tensor:
         """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V].
 
         `k_scale`: this layer's per-tensor fp32 K scale [1] (per-tensor fp8 layers;
         K scales are per layer). Defaults to `metadata.k_scale`, which one batch's
         layers share, so pass it whenever layers were written with different scales.
+
+        `workspace`: an optional preallocated `[>= workspace_rows, L+R]` buffer of
+        this layer's workspace dtype (row stride may exceed L+R), so a serving
+        engine can share one bounded buffer across layers; allocated per call
+        otherwise.
 
         `clock` (optional, for profiling; see mla_ext.prefill.timing.StepClock)
         gets `clock.mark(step)` after every step.
@@ -338,8 +359,7 @@ class MLAPrefill:
         acc_o = torch.zeros(T, m.num_heads, m.V, dtype=dtype, device=device)
         acc_lse = torch.full((m.num_heads, T), float("-inf"), dtype=torch.float32, device=device)
         if plan.chunks:
-            E = m.L + m.R
-            workspace = torch.empty(self.workspace_rows, E, dtype=self.workspace_dtype, device=device)
+            workspace = self._workspace(workspace, device)
             scale = self._k_scale(k_scale if k_scale is not None else metadata.k_scale, device)
             for c in plan.chunks:
                 t = c.tensors(device)
