@@ -283,3 +283,14 @@ def test_triton_merge_compiles_for_sm86_and_sm90():
     r = subprocess.run([sys.executable, "-c", _MERGE_AOT], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "AOT-OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_backend_report_rows_cover_every_backend():
+    from mla_ext.attention import api
+
+    rows = api.backend_report("cpu")
+    assert {(op, b) for op, b, _ in rows} == {("attention", "triton"), ("attention", "torch"),
+                                              ("merge", "cuda"), ("merge", "cpu"),
+                                              ("merge", "triton"), ("merge", "torch")}
+    why = {(op, b): r for op, b, r in rows}
+    assert why[("merge", "cpu")] == [] and why[("merge", "cuda")]

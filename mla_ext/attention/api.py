@@ -321,18 +321,19 @@ def merge_attn_states(
 # Reporting (for the `info` CLI)
 # ---------------------------------------------------------------------------
 
-def backend_report() -> str:
-    """Which attention-stage backends can run here, for CPU and (if present) CUDA inputs."""
-    lines = []
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for dev in devices:
-        q = torch.empty(1, 1, 8, device=dev, dtype=torch.float32)
-        cu = torch.zeros(2, dtype=torch.int32, device=dev)
-        ai = AttentionInputs(q, q, q, cu, cu, 0, 0, 1.0, False)
-        o = torch.empty(1, 1, 8, device=dev)
-        lse = torch.empty(1, 1, device=dev)
-        mi = MergeInputs(o, lse, o, lse, o, lse)
-        lines.append(f"[{dev} inputs]")
-        lines.append(ATTENTION.explain(ai))
-        lines.append(MERGE.explain(mi))
-    return "\n".join(lines)
+def backend_report(device: str | torch.device | None = None) -> list[tuple[str, str, list[str]]]:
+    """[(op, backend, reasons)] for probe inputs on `device` (default: CUDA if
+    visible, else CPU), in the form every stage's report takes for the `info` CLI.
+    An empty reasons list means the backend can serve the op there."""
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    q = torch.empty(1, 1, 8, device=dev, dtype=torch.float32)
+    cu = torch.zeros(2, dtype=torch.int32, device=dev)
+    o = torch.empty(1, 1, 8, device=dev)
+    lse = torch.empty(1, 1, device=dev)
+    probes = (
+        ("attention", ATTENTION, AttentionInputs(q, q, q, cu, cu, 0, 0, 1.0, False)),
+        ("merge", MERGE, MergeInputs(o, lse, o, lse, o, lse)),
+    )
+    return [(op, b.name, b.not_supported_reasons(inp)) for op, disp, inp in probes for b in disp.backends]
