@@ -150,3 +150,17 @@ def test_shared_workspace_gives_the_same_result_and_is_checked():
         layer(*args, workspace=torch.empty(16, TINY.L + TINY.R, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="workspace: layer 1 expects"):
         layer(*args, workspace=torch.empty(64, TINY.L + TINY.R, dtype=torch.float32))
+
+
+def test_forward_rejects_wrong_dtype_and_device_naming_the_argument():
+    batch = Batch(ctx_lens=[8], q_lens=[2], seed=3)
+    w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L) / 32
+    layer = MLAPrefill(TINY, DS, make_weight("dense", w), layer=1)
+    cache = batch.fill_cache(layer, None)
+    meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens)
+    with pytest.raises(ValueError, match="q: expected the model dtype torch.bfloat16"):
+        layer(batch.q.float(), batch.kv_c_new, batch.k_pe_new, cache, meta)
+    with pytest.raises(ValueError, match="k_pe: expected the model dtype"):
+        layer(batch.q, batch.kv_c_new, batch.k_pe_new.half(), cache, meta)
+    with pytest.raises(ValueError, match="kv_cache: expected device"):
+        layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache.to("meta"), meta)

@@ -337,6 +337,15 @@ class MLAPrefill:
                 f"kv_c_normed/k_pe: expected [{T}, {m.L}] and [{T}, {m.R}], got "
                 f"{tuple(kv_c_normed.shape)} and {tuple(k_pe.shape)}"
             )
+        dt = m.model_dtype
+        for name, x in (("q", q), ("kv_c_normed", kv_c_normed), ("k_pe", k_pe)):
+            if x.dtype != dt:
+                raise ValueError(f"{name}: expected the model dtype {dt}, got {x.dtype}")
+            if x.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device} (as q), got {x.device}")
+        for name, x in (("kv_cache", kv_cache), ("metadata.block_table", metadata.block_table)):
+            if x.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device} (as q), got {x.device}")
         self.check_cache(kv_cache)
         device, dtype = q.device, q.dtype
         cu_q = metadata.cu_seqlens_q(device)
