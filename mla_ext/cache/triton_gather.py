@@ -45,6 +45,14 @@ else:
     _TRITON_IMPORT_ERROR = None
     from mla_ext.triton_fp8 import e4m3_to_f32, e5m2_to_f32
 
+# The MODE 3 (fp8_ds_mla) branch of the kernel spells the row layout as
+# literals (512 latent bytes, scales at byte 512 = fp32 index 128, k_pe at
+# byte 528 = bf16 index 264, 4 tiles of 128, 64 rope values): Triton's
+# interpreter does not take module-level constexprs there. They must be the
+# layout formats.DsMla defines (the one Python mirror of cache_layout.h).
+assert (DsMla.LATENT_DIM, DsMla.SCALE_OFFSET, DsMla.ROPE_OFFSET, DsMla.NUM_TILES,
+        DsMla.TILE_SIZE, DsMla.ROPE_DIM) == (512, 512, 528, 4, 128, 64), "update _gather_kernel"
+
 MODE_COPY, MODE_E4M3, MODE_E5M2, MODE_DS_MLA = 0, 1, 2, 3
 _FLOAT_DSTS = (torch.bfloat16, torch.float16, torch.float32)
 _NATIVE_SRCS = (torch.bfloat16, torch.float16, torch.float32)
