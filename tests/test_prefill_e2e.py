@@ -164,3 +164,27 @@ def test_forward_rejects_wrong_dtype_and_device_naming_the_argument():
         layer(batch.q, batch.kv_c_new, batch.k_pe_new.half(), cache, meta)
     with pytest.raises(ValueError, match="kv_cache: expected device"):
         layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache.to("meta"), meta)
+
+
+@pytest.mark.parametrize("wkind, act", [
+    ("fp8_block", torch.float8_e4m3fn),  # fp8 weights take fp8 activations under FP8 prefill
+    ("marlin_fp8", torch.bfloat16),      # int32-packed: the params dtype, never int32
+    ("nvfp4", torch.bfloat16),           # W4A16: the model dtype, never fp8
+    ("dense", torch.bfloat16),
+])
+def test_fp8_prefill_routes_activation_dtype_per_layer(wkind, act):
+    batch = Batch(ctx_lens=[50, 7], q_lens=[3, 2], seed=11)
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L, generator=gen) / math.sqrt(TINY.L)
+    layer = MLAPrefill(TINY, DS, make_weight(wkind, w), layer=1, use_fp8_prefill=True,
+                       workspace_rows_override=32)
+    assert layer.activation_dtype == act
+    cache = batch.fill_cache(layer, None)
+    meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens)
+    out = layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta)
+    kv_c, k_pe = batch.cached_rows(layer, cache)
+    ref = mla_prefill_reference(batch.q, batch.kv_c_new, batch.k_pe_new, kv_c, k_pe, batch.q_lens,
+                                layer.kv_b_proj.weight_format.dequantize_fp32(), TINY.P, TINY.V,
+                                layer.softmax_scale)
+    # fp8 activations add e4m3 rounding (3 mantissa bits) on top of bf16.
+    assert rel_fro(out, ref) <= (5e-2 if act == torch.float8_e4m3fn else 1e-2)
