@@ -188,3 +188,19 @@ def test_fp8_prefill_routes_activation_dtype_per_layer(wkind, act):
                                 layer.softmax_scale)
     # fp8 activations add e4m3 rounding (3 mantissa bits) on top of bf16.
     assert rel_fro(out, ref) <= (5e-2 if act == torch.float8_e4m3fn else 1e-2)
+
+
+def test_batch_metadata_is_shared_across_layers():
+    """Chunk metadata is copied to the device once per batch, not once per layer."""
+    batch = Batch(ctx_lens=[70, 5], q_lens=[2, 1], seed=4)
+    meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens)
+    w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L) / 32
+    layers = [MLAPrefill(TINY, DS, make_weight("dense", w), layer=i, workspace_rows_override=32)
+              for i in (0, 1)]
+    for layer in layers:
+        layer(batch.q, batch.kv_c_new, batch.k_pe_new, batch.fill_cache(layer, None), meta)
+    plan = meta.plan(32, BLOCK)
+    assert plan.num_chunks >= 2
+    firsts = [meta.chunk_tensors(c, "cpu") for c in plan.chunks]
+    assert all(meta.chunk_tensors(c, "cpu") is t for c, t in zip(plan.chunks, firsts))
+    assert len(meta._chunk_t) == plan.num_chunks

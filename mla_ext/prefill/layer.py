@@ -89,6 +89,7 @@ class PrefillMetadata:
     k_scale: Tensor | None = None
     _plans: dict = field(default_factory=dict, repr=False)
     _cu_q: dict = field(default_factory=dict, repr=False)
+    _chunk_t: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.context_lens = tuple(lengths(self.context_lens, "context_lens"))
@@ -124,8 +125,19 @@ class PrefillMetadata:
             offs = [0]
             for n in self.query_lens:
                 offs.append(offs[-1] + n)
-            self._cu_q[device] = torch.tensor(offs, dtype=torch.int32).to(device)
+            host = torch.tensor(offs, dtype=torch.int32)
+            if device.type == "cuda":  # pinned + async: no host sync, capturable
+                host = host.pin_memory()
+            self._cu_q[device] = host.to(device, non_blocking=True)
         return self._cu_q[device]
+
+    def chunk_tensors(self, chunk, device):
+        """A chunk's int32 metadata on `device`, copied once per batch: every
+        layer with the same plan reuses it (one host-to-device copy, not one per layer)."""
+        key = (chunk, torch.device(device))
+        if key not in self._chunk_t:
+            self._chunk_t[key] = chunk.tensors(device)
+        return self._chunk_t[key]
 
 
 class MLAPrefill:
@@ -371,7 +383,7 @@ class MLAPrefill:
             workspace = self._workspace(workspace, device)
             scale = self._k_scale(k_scale if k_scale is not None else metadata.k_scale, device)
             for c in plan.chunks:
-                t = c.tensors(device)
+                t = metadata.chunk_tensors(c, device)
                 rows = c.total_rows
                 self._gather(kv_cache, workspace, metadata, c, t, scale)
                 tick("gather")
