@@ -167,6 +167,7 @@ class MLAPrefill:
                 f"{model.name}, got [{self.kv_b_proj.N}, {self.kv_b_proj.K}]"
             )
         self.use_fp8_prefill = bool(use_fp8_prefill)
+        self._unit_scale: dict[torch.device, Tensor] = {}
         # SPEC §5: a pure function of the layer. None means "no cast": the
         # activations stay in the model dtype (the linear quantizes itself).
         self.kv_b_proj_input_dtype = kv_b_proj_input_dtype(self.kv_b_proj, self.use_fp8_prefill)
@@ -263,8 +264,12 @@ class MLAPrefill:
                 )
             return k_scale
         # Unscaled formats: the ops take a scale argument for signature
-        # compatibility and ignore it.
-        return torch.ones(1, dtype=torch.float32, device=device)
+        # compatibility and ignore it; one per device, not one per call.
+        device = torch.device(device)
+        unit = self._unit_scale.get(device)
+        if unit is None:
+            unit = self._unit_scale[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return unit
 
     # -- forward -------------------------------------------------------------
     def _up_project(self, kv_c: Tensor) -> tuple[Tensor, Tensor]:
