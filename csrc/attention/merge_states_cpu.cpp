@@ -2,6 +2,7 @@
 // One OpenMP task per (token, head) row, so a row's LSEs are read before any
 // of its outputs is written, which makes in-place merging safe.
 #include "attention/merge_states.h"
+#include "common/fp8.h"
 
 #include <cmath>
 #include <cstring>
@@ -10,69 +11,12 @@
 namespace mla_ext {
 namespace {
 
-// 16-bit float conversions without torch headers. Rounding is to nearest
-// even, like torch's own casts, so CPU results match the reference bit for bit.
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t man = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1fu) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    int e = -1;
-    do {
-      man <<= 1;
-      ++e;
-    } while ((man & 0x400u) == 0);
-    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_f16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;  // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
-  if (abs < 0x38800000u) {  // below the smallest normal half: subnormal or zero
-    if (abs < 0x33000000u) return sign;  // < 2^-25 rounds to zero
-    const uint32_t exp = abs >> 23;
-    const uint32_t man = (abs & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - exp;  // 14..24
-    uint32_t half = man >> shift;
-    const uint32_t rem = man & ((1u << shift) - 1u);
-    const uint32_t mid = 1u << (shift - 1u);
-    if (rem > mid || (rem == mid && (half & 1u))) ++half;
-    return sign | static_cast<uint16_t>(half);
-  }
-  uint32_t r = abs - 0x38000000u;  // rebias exponent 127 -> 15
-  r += 0xfffu + ((r >> 13) & 1u);
-  return sign | static_cast<uint16_t>(r >> 13);
-}
+// 16-bit float conversions without torch headers: the shared round-to-
+// nearest-even ones of common/fp8.h, which match torch's casts bit for bit.
+using fp8::bf16_bits_to_f32;
+using fp8::f16_bits_to_f32;
+using fp8::f32_to_bf16_bits;
+using fp8::f32_to_f16_bits;
 
 template <typename T>
 struct Io;
@@ -89,13 +33,13 @@ struct F16 {
 };
 template <>
 struct Io<Bf16> {
-  static float load(const Bf16* p) { return bf16_to_f32(p->bits); }
-  static void store(Bf16* p, float v) { p->bits = f32_to_bf16(v); }
+  static float load(const Bf16* p) { return bf16_bits_to_f32(p->bits); }
+  static void store(Bf16* p, float v) { p->bits = f32_to_bf16_bits(v); }
 };
 template <>
 struct Io<F16> {
-  static float load(const F16* p) { return f16_to_f32(p->bits); }
-  static void store(F16* p, float v) { p->bits = f32_to_f16(v); }
+  static float load(const F16* p) { return f16_bits_to_f32(p->bits); }
+  static void store(F16* p, float v) { p->bits = f32_to_f16_bits(v); }
 };
 
 template <typename T>
