@@ -8,12 +8,14 @@ dtype and the maximum model length.
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from mla_ext.formats import MODEL_DTYPES
+from mla_ext.softmax_scale import base_scale, scale_from_config
 
 _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,
@@ -29,7 +31,13 @@ _DTYPE_NAMES = {
 
 @dataclass(frozen=True)
 class MLAModelConfig:
-    """The dimensions of one MLA model (symbols as in SPEC §0)."""
+    """The dimensions of one MLA model (symbols as in SPEC §0) and the attention
+    math that comes from its config: the softmax scale (SPEC §10) and the model dtype,
+    each with a note on where it came from.
+
+    `num_heads` is the heads this config computes: all of them, or one rank's
+    share after `shard(tp_size, rank)`.
+    """
 
     name: str
     L: int  # kv_lora_rank
@@ -41,11 +49,35 @@ class MLAModelConfig:
     sliding_window_layers: frozenset = field(default_factory=frozenset)
     model_dtype: torch.dtype = torch.bfloat16
     max_model_len: int = 163840
+    # None: the base (P+R)^-0.5. A config read from config.json carries the
+    # model's own (yarn-corrected) value.
+    softmax_scale: float | None = None
+    softmax_scale_source: str = ""
+    dtype_source: str = "given"
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def __post_init__(self):
-        for arg in ("L", "P", "V", "num_heads", "num_layers", "max_model_len"):
+        for arg in ("L", "P", "V", "num_heads", "num_layers", "max_model_len", "tp_size"):
             _check_int(arg, getattr(self, arg), minimum=1, where=self.name)
         _check_int("R", self.R, minimum=0, where=self.name)
+        _check_int("tp_rank", self.tp_rank, minimum=0, where=self.name)
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"{self.name}: tp_rank must be in [0, {self.tp_size}); "
+                             f"got {self.tp_rank}")
+        if self.softmax_scale is None:
+            base = base_scale(self.P, self.R)
+            object.__setattr__(self, "softmax_scale", base.value)
+            object.__setattr__(self, "softmax_scale_source", base.source)
+        else:
+            s = self.softmax_scale
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) \
+                    or s <= 0:
+                raise ValueError(f"{self.name}: softmax_scale must be a finite number > 0; "
+                                 f"got {s!r}")
+            object.__setattr__(self, "softmax_scale", float(s))
+            if not self.softmax_scale_source:
+                object.__setattr__(self, "softmax_scale_source", "given")
         if self.model_dtype not in MODEL_DTYPES:
             raise ValueError(
                 f"{self.name}: model_dtype must be one of torch.bfloat16, torch.float16, "
@@ -65,6 +97,38 @@ class MLAModelConfig:
         """Cache entry width L + R."""
         return self.L + self.R
 
+    @property
+    def total_heads(self) -> int:
+        """Attention heads of the whole model (all tensor-parallel ranks)."""
+        return self.num_heads * self.tp_size
+
+    def shard(self, tp_size: int, rank: int) -> "MLAModelConfig":
+        """This model as tensor-parallel rank `rank` of `tp_size` sees it: heads
+        [rank*n, (rank+1)*n) with n = num_heads / tp_size (SPEC §10). Everything
+        else (dims, scale, dtype, layers) is the model's."""
+        if self.tp_size != 1:
+            raise ValueError(f"{self.name}: already a tensor-parallel shard "
+                             f"(rank {self.tp_rank} of {self.tp_size}); shard the full config")
+        _check_int("tp_size", tp_size, minimum=1, where=self.name)
+        _check_int("rank", rank, minimum=0, where=self.name)
+        if self.num_heads % tp_size:
+            raise ValueError(f"{self.name}: tp_size must divide num_heads={self.num_heads}; "
+                             f"got {tp_size}")
+        if rank >= tp_size:
+            raise ValueError(f"{self.name}: rank must be in [0, {tp_size}); got {rank}")
+        return replace(self, num_heads=self.num_heads // tp_size, tp_size=tp_size, tp_rank=rank)
+
+    def describe(self) -> str:
+        """Dims, heads, dtype and softmax scale, each with where it came from."""
+        tp = f" (TP rank {self.tp_rank} of {self.tp_size}, {self.total_heads} in all)" \
+            if self.tp_size > 1 else ""
+        return (
+            f"{self.name}: L={self.L} R={self.R} P={self.P} V={self.V}, {self.num_heads} heads{tp}, "
+            f"{self.num_layers} layers, max_model_len {self.max_model_len}\n"
+            f"  model dtype {str(self.model_dtype).removeprefix('torch.')} ({self.dtype_source})\n"
+            f"  softmax scale {self.softmax_scale:.5f}: {self.softmax_scale_source}"
+        )
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -75,19 +139,31 @@ def _check_int(arg: str, value, minimum: int, where: str) -> None:
         raise ValueError(f"{where}: {arg} must be an integer >= {minimum}; got {value!r}")
 
 
-_DEEPSEEK_V3 = dict(L=512, R=64, P=128, V=128, num_layers=61, max_model_len=163840)
-
-BUILTIN_MODELS: dict[str, MLAModelConfig] = {
-    c.name: c
-    for c in (
-        MLAModelConfig("deepseek-v2-lite", L=512, R=64, P=128, V=128, num_heads=16,
-                       num_layers=27, max_model_len=163840),
-        MLAModelConfig("deepseek-v3", num_heads=128, **_DEEPSEEK_V3),
-        # R1 is a DeepSeek-V3 checkpoint: same architecture, listed under its own name.
-        MLAModelConfig("deepseek-r1", num_heads=128, **_DEEPSEEK_V3),
-        MLAModelConfig("kimi-k2", num_heads=64,
-                       **{**_DEEPSEEK_V3, "max_model_len": 131072}),
-    )
+# The built-in models are excerpts of their real config.json, read by the same
+# reader as a user's file, so their softmax scale is derived, not typed in.
+_DEEPSEEK_V3_JSON = {
+    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "num_attention_heads": 128, "num_hidden_layers": 61, "max_position_embeddings": 163840,
+    "torch_dtype": "bfloat16",
+    "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1},
+}
+_BUILTIN_JSON = {
+    "deepseek-v2-lite": {
+        **_DEEPSEEK_V3_JSON, "num_attention_heads": 16, "num_hidden_layers": 27,
+        "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1},
+    },
+    "deepseek-v3": _DEEPSEEK_V3_JSON,
+    # R1 is a DeepSeek-V3 checkpoint: same architecture, listed under its own name.
+    "deepseek-r1": _DEEPSEEK_V3_JSON,
+    "kimi-k2": {
+        **_DEEPSEEK_V3_JSON, "num_attention_heads": 64, "max_position_embeddings": 131072,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                         "beta_slow": 1.0},
+    },
 }
 
 
@@ -159,18 +235,29 @@ def config_from_dict(raw: dict, name: str) -> MLAModelConfig:
         if not _is_int(value):
             raise ValueError(f"model config {name}: {key} must be an integer; got {value!r}")
         dims[arg] = value
-    dtype = _parse_dtype(raw.get("torch_dtype", raw.get("dtype", "bfloat16")), name)
+    dtype, dtype_source = _model_dtype(raw, name)
+    scale = scale_from_config(raw, dims["P"], dims["R"], name)
     sliding = sliding_window_layers_from_dict(raw, dims["num_layers"], name)
-    return MLAModelConfig(name=name, model_dtype=dtype, sliding_window_layers=sliding, **dims)
+    return MLAModelConfig(name=name, model_dtype=dtype, sliding_window_layers=sliding,
+                          softmax_scale=scale.value, softmax_scale_source=scale.source,
+                          dtype_source=dtype_source, **dims)
 
 
-def _parse_dtype(value, name: str) -> torch.dtype:
+def _model_dtype(raw: dict, name: str) -> tuple[torch.dtype, str]:
+    # transformers 4 writes torch_dtype, transformers 5 writes dtype.
+    for key in ("torch_dtype", "dtype"):
+        if raw.get(key) is not None:
+            return _parse_dtype(raw[key], name, key), f"config {key}"
+    return torch.bfloat16, "assumed: the config has neither torch_dtype nor dtype"
+
+
+def _parse_dtype(value, name: str, key: str = "torch_dtype") -> torch.dtype:
     if isinstance(value, str):
         dtype = _DTYPE_NAMES.get(value.removeprefix("torch.").lower())
         if dtype is not None:
             return dtype
     raise ValueError(
-        f"model config {name}: torch_dtype must be one of {sorted(_DTYPE_NAMES)}; got {value!r}"
+        f"model config {name}: {key} must be one of {sorted(_DTYPE_NAMES)}; got {value!r}"
     )
 
 
@@ -210,3 +297,8 @@ def sliding_window_layers_from_dict(raw: dict, num_layers: int, name: str) -> fr
             )
         return frozenset(i for i in range(num_layers) if (i + 1) % pattern != 0)
     return frozenset(range(num_layers))
+
+
+BUILTIN_MODELS: dict[str, MLAModelConfig] = {
+    name: config_from_dict(raw, name=name) for name, raw in _BUILTIN_JSON.items()
+}

@@ -258,6 +258,9 @@ def render_plan(model_config, cache_config, memory_bytes: int, alignment: int | 
             "model": {"name": m.name, "L": m.L, "R": m.R, "P": m.P, "V": m.V,
                       "num_heads": m.num_heads, "num_layers": m.num_layers,
                       "model_dtype": _dtype_name(m.model_dtype),
+                      "model_dtype_source": m.dtype_source,
+                      "softmax_scale": m.softmax_scale,
+                      "softmax_scale_source": m.softmax_scale_source,
                       "max_model_len": m.max_model_len,
                       "sliding_window_layers": sorted(m.sliding_window_layers)},
             "cache_config": {"kv_cache_dtype": c.kv_cache_dtype,
@@ -272,4 +275,6 @@ def render_plan(model_config, cache_config, memory_bytes: int, alignment: int | 
         f"{m.name}: L={m.L} R={m.R} layers={m.num_layers} dtype={_dtype_name(m.model_dtype)} | "
         f"kv_cache_dtype={c.kv_cache_dtype} skip_layers={skips} block_size={c.block_size}"
     )
-    return plan.format_table(title)
+    notes = (f"model dtype {_dtype_name(m.model_dtype)}: {m.dtype_source}\n"
+             f"softmax scale {m.softmax_scale:.5f}: {m.softmax_scale_source}")
+    return plan.format_table(title) + "\n" + notes

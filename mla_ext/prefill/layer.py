@@ -181,9 +181,19 @@ class MLAPrefill:
             model.max_model_len, max_num_seqs, self.spec.block_size, cp_size, cp_i,
             override=workspace_rows_override,
         )
-        self.softmax_scale = (
-            float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(model.P + model.R)
-        )
+        # SPEC §10: the model's own scale (yarn-corrected for DeepSeek/Kimi), unless
+        # the caller overrides it.
+        if softmax_scale is None:
+            self.softmax_scale = model.softmax_scale
+            self.softmax_scale_source = f"model config: {model.softmax_scale_source}"
+        else:
+            ok = not isinstance(softmax_scale, bool) and isinstance(softmax_scale, (int, float))
+            if not ok or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+                raise ValueError(f"softmax_scale: expected a finite number > 0 or None (the "
+                                 f"model's {model.softmax_scale:.5f}); got {softmax_scale!r}")
+            self.softmax_scale = float(softmax_scale)
+            self.softmax_scale_source = (f"given by the caller (the model config says "
+                                         f"{model.softmax_scale:.5f})")
 
     # -- plan ----------------------------------------------------------------
     @property
@@ -213,6 +223,8 @@ class MLAPrefill:
             f"{self.workspace_dtype} workspace [{self.workspace_rows}, {self.model.L + self.model.R}]"
             + (f", context parallel {self.cp.cp_size} ranks (interleave {self.cp.interleave})"
                if self.cp else ""),
+            f"  attention: softmax scale {self.softmax_scale:.5f} ({self.softmax_scale_source}); "
+            f"model dtype {self.model.model_dtype} ({self.model.dtype_source})",
             f"  kv_b_proj: {self.kv_b_proj.weight_format.describe()}; input dtype "
             f"{self.activation_dtype} (fp8 prefill {'on' if self.use_fp8_prefill else 'off'})",
         ]
