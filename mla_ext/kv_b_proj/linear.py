@@ -282,9 +282,12 @@ class KvBProj:
     """
 
     def __init__(self, weight_format: W.WeightFormat):
+        """`weight_format`: a WeightFormat, or an nn.Linear / checkpoint-style module,
+        converted by `from_module.weight_format_from_module`."""
         if not isinstance(weight_format, W.WeightFormat):
-            raise ValueError(f"weight_format must be one of {[c.__name__ for c in W.ALL_FORMATS]}, "
-                             f"got {type(weight_format).__name__}")
+            from mla_ext.kv_b_proj.from_module import weight_format_from_module
+
+            weight_format = weight_format_from_module(weight_format, arg="weight_format")
         self.weight_format = weight_format
         self.params_dtype = weight_format.params_dtype
         self.N, self.K = weight_format.N, weight_format.K

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from mla_ext import _ext
+from mla_ext.kv_b_proj.weights import check_row_cut
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GROUP_SIZES = (-1, 128)
+TILE_N = 64  # output columns per packed tile (kTileN in csrc/kv_b_proj/marlin_fp8.h)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,27 @@ def marlin_fp8_repack(
     qweight, packed_scales = _ext.ops().marlin_fp8_repack(w_fp8, scales, group_size, act_dtype)
     n, k = w_fp8.shape
     return MarlinFp8Packed(qweight, packed_scales, int(n), int(k), int(group_size), act_dtype)
+
+
+def marlin_fp8_slice_rows(packed: MarlinFp8Packed, start: int, stop: int) -> MarlinFp8Packed:
+    """Output rows [start, stop) of the logical weight, cut from the packed tiles
+    without repacking (e.g. a tensor-parallel shard); the result owns its tensors.
+
+    A 64-column tile (qweight row) and its 64-column scale block are
+    self-contained, so the cut must fall on tile boundaries: start % 64 == 0
+    and stop % 64 == 0 or stop == N. Otherwise slice the checkpoint fp8 weight
+    and scale and pack that (`MarlinFp8Weight.from_fp8(fp8_format.slice_rows(...))`).
+    """
+    _require(0 <= start < stop <= packed.N,
+             f"rows [start, stop): expected 0 <= start < stop <= N={packed.N}, got [{start}, {stop})")
+    check_row_cut(start, stop, packed.N, TILE_N, f"{TILE_N}-row Marlin packing tile",
+                  "slice the checkpoint fp8 weight and scale instead and pack the slice, "
+                  "MarlinFp8Weight.from_fp8(fp8_format.slice_rows(...))")
+    t0, t1 = start // TILE_N, -(-stop // TILE_N)
+    qweight = packed.qweight[t0:t1].clone(memory_format=torch.contiguous_format)
+    # Scales are permuted only inside 64-column blocks; padded columns (past N) hold 0.
+    scales = packed.scales[:, t0 * TILE_N:t1 * TILE_N].clone(memory_format=torch.contiguous_format)
+    return MarlinFp8Packed(qweight, scales, stop - start, packed.K, packed.group_size, packed.act_dtype)
 
 
 def marlin_fp8_gemm(

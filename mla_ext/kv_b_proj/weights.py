@@ -10,6 +10,11 @@ objects and upstream layers alike:
 - `.params_dtype` is the model (compute) dtype, the only authority on which
   dtype activations have; the storage dtype never is.
 N is the output width (heads * (P + V)), K the input width (kv_lora_rank).
+
+Tensor parallelism: `slice_rows(start, stop)` cuts output rows out of any
+format (scales follow their rows; a cut through a quantization block or a
+packing tile is a ValueError saying which), and `shard(num_heads, head_rows,
+tp_size, rank)` takes one rank's heads (`mla_ext.kv_b_proj.shard`).
 """
 from __future__ import annotations
 
@@ -33,6 +38,25 @@ def _check_params_dtype(params_dtype) -> torch.dtype:
     _require(params_dtype in FLOAT_DTYPES,
              f"params_dtype must be one of {FLOAT_DTYPES}, got {params_dtype}")
     return params_dtype
+
+
+def _rows(t: torch.Tensor, start: int, stop: int, dim: int = 0) -> torch.Tensor:
+    """An owned, contiguous copy of t[start:stop] along `dim` (a shard must not
+    keep the full weight's storage alive)."""
+    return t.narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format)
+
+
+def check_row_cut(start: int, stop: int, n: int, unit: int, what: str, advice: str = "") -> None:
+    """ValueError unless rows [start, stop) of an n-row weight start and end on
+    a multiple of `unit` rows (or at n): `what` names the unit, e.g. "128-row
+    quantization block"."""
+    for edge in (start, stop):
+        if edge % unit and edge != n:
+            i = edge // unit
+            raise ValueError(f"rows [{start}, {stop}) split the {what} {i} "
+                             f"(rows [{i * unit}, {min(i * unit + unit, n)})) "
+                             f"at row {edge}; slices must start and end on a multiple of {unit} rows (or at N={n})"
+                             + (f": {advice}" if advice else ""))
 
 
 def _check_finite_positive(name: str, t: torch.Tensor) -> None:
@@ -82,6 +106,27 @@ class WeightFormat:
     def describe(self) -> str:
         return f"{self.name} [N={self.N}, K={self.K}] params_dtype={self.params_dtype}"
 
+    def slice_rows(self, start: int, stop: int) -> "WeightFormat":
+        """Output rows [start, stop) of the logical [N, K] weight, in the same format.
+
+        The result owns copies of its tensors. ValueError when the format
+        cannot be cut there (a block-scale or packing-tile boundary)."""
+        for arg, v in (("start", start), ("stop", stop)):
+            _require(isinstance(v, int) and not isinstance(v, bool),
+                     f"{arg}: expected an int row index, got {v!r}")
+        _require(0 <= start < stop <= self.N,
+                 f"rows [start, stop): expected 0 <= start < stop <= N={self.N}, got [{start}, {stop})")
+        return self._slice_rows(start, stop)
+
+    def _slice_rows(self, start: int, stop: int) -> "WeightFormat":
+        raise TypeError(f"{type(self).__name__} does not define _slice_rows")
+
+    def shard(self, num_heads: int, head_rows: int, tp_size: int, rank: int) -> "WeightFormat":
+        """This rank's heads of the full kv_b_proj (see `shard.shard_weight`)."""
+        from mla_ext.kv_b_proj.shard import shard_weight
+
+        return shard_weight(self, num_heads, head_rows, tp_size, rank)
+
 
 class DenseWeight(WeightFormat):
     name = "dense"
@@ -103,6 +148,9 @@ class DenseWeight(WeightFormat):
 
     def dequantize_fp32(self) -> torch.Tensor:
         return self.weight.float()
+
+    def _slice_rows(self, start: int, stop: int) -> "DenseWeight":
+        return DenseWeight(_rows(self.weight, start, stop))
 
 
 class Fp8Weight(WeightFormat):
@@ -150,6 +198,11 @@ class Fp8Weight(WeightFormat):
         """fp32 [N]: the scale of every output channel."""
         return self.weight_scale.expand(self.N).contiguous()
 
+    def _slice_rows(self, start: int, stop: int) -> "Fp8Weight":
+        # Per-tensor: the one scale is kept; per-channel: its rows follow the weight's.
+        s = self.weight_scale.clone() if self.weight_scale.numel() == 1 else _rows(self.weight_scale, start, stop)
+        return Fp8Weight(_rows(self.weight, start, stop), s, self.params_dtype)
+
 
 class Fp8BlockWeight(WeightFormat):
     """DeepSeek block fp8: e4m3 [N, K] and fp32 `weight_scale_inv` [ceil(N/128), ceil(K/128)].
@@ -194,6 +247,12 @@ class Fp8BlockWeight(WeightFormat):
 
     def dequantize_fp32(self) -> torch.Tensor:
         return ref.dequant_fp8_block(self.weight, self.weight_scale_inv)
+
+    def _slice_rows(self, start: int, stop: int) -> "Fp8BlockWeight":
+        b = ref.FP8_BLOCK
+        check_row_cut(start, stop, self.N, b, f"{b}-row weight_scale_inv block")
+        return Fp8BlockWeight(_rows(self.weight, start, stop),
+                              _rows(self.weight_scale_inv, start // b, -(-stop // b)), self.params_dtype)
 
 
 class MarlinFp8Weight(WeightFormat):
@@ -247,20 +306,34 @@ class MarlinFp8Weight(WeightFormat):
         return cls(marlin_fp8_repack(f.weight, f.channel_scales(), params_dtype, group_size=-1), params_dtype)
 
     @classmethod
+    def from_fp8(cls, fmt: "Fp8Weight | Fp8BlockWeight", params_dtype: torch.dtype | None = None) -> "MarlinFp8Weight":
+        """Packs a checkpoint W8A8 format (e.g. its tensor-parallel shard) for Marlin:
+        per-tensor/per-channel scales become per-channel, block scales group-128."""
+        dt = params_dtype or fmt.params_dtype
+        if isinstance(fmt, Fp8BlockWeight):
+            return cls.from_checkpoint(fmt.weight, fmt.weight_scale_inv, dt, block_size=(128, 128))
+        _require(isinstance(fmt, Fp8Weight),
+                 f"fmt: expected an Fp8Weight or Fp8BlockWeight, got {type(fmt).__name__}")
+        return cls.from_checkpoint(fmt.weight, fmt.weight_scale, dt)
+
+    @classmethod
     def from_dense(cls, w: torch.Tensor, params_dtype: torch.dtype | None = None,
                    group_size: int = -1) -> "MarlinFp8Weight":
         dt = params_dtype or w.dtype
         if group_size == ref.FP8_BLOCK:
-            blk = Fp8BlockWeight.from_dense(w, dt)
-            return cls.from_checkpoint(blk.weight, blk.weight_scale_inv, dt, block_size=(128, 128))
+            return cls.from_fp8(Fp8BlockWeight.from_dense(w, dt))
         _require(group_size == -1, f"group_size must be -1 (per-channel) or 128, got {group_size}")
-        f = Fp8Weight.from_dense(w, per_channel=True, params_dtype=dt)
-        return cls.from_checkpoint(f.weight, f.weight_scale, dt)
+        return cls.from_fp8(Fp8Weight.from_dense(w, per_channel=True, params_dtype=dt))
 
     def dequantize_fp32(self) -> torch.Tensor:
         from mla_ext.kv_b_proj.marlin import marlin_fp8_dequantize
 
         return marlin_fp8_dequantize(self.packed).float()
+
+    def _slice_rows(self, start: int, stop: int) -> "MarlinFp8Weight":
+        from mla_ext.kv_b_proj.marlin import marlin_fp8_slice_rows
+
+        return MarlinFp8Weight(marlin_fp8_slice_rows(self.packed, start, stop), self.params_dtype)
 
 
 class Nvfp4Weight(WeightFormat):
@@ -309,6 +382,11 @@ class Nvfp4Weight(WeightFormat):
 
     def dequantize_fp32(self) -> torch.Tensor:
         return ref.dequant_nvfp4(self.weight, self.weight_scale, self.weight_scale_2)
+
+    def _slice_rows(self, start: int, stop: int) -> "Nvfp4Weight":
+        # Block scales run along K, so every row owns its own; the global scale is kept.
+        return Nvfp4Weight(_rows(self.weight, start, stop), _rows(self.weight_scale, start, stop),
+                           self.weight_scale_2.clone(), self.params_dtype)
 
 
 class Int4GroupWeight(WeightFormat):
@@ -361,6 +439,13 @@ class Int4GroupWeight(WeightFormat):
 
     def dequantize_fp32(self) -> torch.Tensor:
         return ref.dequant_int4_grouped(self.qweight, self.scales, self.zeros, self.group_size)
+
+    def _slice_rows(self, start: int, stop: int) -> "Int4GroupWeight":
+        # qweight packs along K ([K/8, N]) and groups run along K: output rows
+        # are columns here, and any column range is a clean cut.
+        zeros = None if self.zeros is None else _rows(self.zeros, start, stop, dim=1)
+        return Int4GroupWeight(_rows(self.qweight, start, stop, dim=1), _rows(self.scales, start, stop, dim=1),
+                               self.group_size, self.params_dtype, zeros)
 
 
 ALL_FORMATS = (DenseWeight, Fp8Weight, Fp8BlockWeight, MarlinFp8Weight, Nvfp4Weight, Int4GroupWeight)

@@ -1,0 +1,249 @@
+"""kv_b_proj weight formats read from modules and checkpoint-style objects (SPEC §5).
+
+`weight_format_from_module(module, params_dtype=None)` detects the format
+from the tensors an `nn.Linear`, an upstream (vLLM-style) layer or any
+object with the checkpoint's attribute names holds:
+
+| tensors                                            | format                          |
+|----------------------------------------------------|---------------------------------|
+| `weight` bf16/fp16/fp32 (nn.Linear; `bias` None)     | DenseWeight                     |
+| `weight` fp8 e4m3 + `weight_scale_inv`              | Fp8BlockWeight (DeepSeek)       |
+| `weight` fp8 e4m3 + `weight_scale` [ceil(N/128), ceil(K/128)], or `weight_block_size` set | Fp8BlockWeight |
+| `weight` fp8 e4m3 + `weight_scale` [], [1], [N] or [N, 1] | Fp8Weight per-tensor / per-channel |
+| `weight` uint8 [N, K/2] + `weight_scale` e4m3 [N, K/16] + `weight_scale_2` | Nvfp4Weight (ModelOpt) |
+| `qweight` int32 [K/8, N] + `scales` [K/g, N] (+ `qzeros`/`zeros`, `g_idx`) | Int4GroupWeight (GPTQ layout) |
+
+Model dtype (`params_dtype` of the result): the `params_dtype` argument, else
+the object's `compute_dtype`, `params_dtype` or `orig_dtype` (vLLM's fp8
+layers set `orig_dtype`); a dense weight is its own dtype (converted when the
+argument asks for another one). The storage dtype of a quantized weight is
+never taken for it (SPEC §5), so a quantized object without any of these is a
+ValueError asking for `params_dtype=`.
+
+Other facts:
+- `input_scale` (static activation scale of W8A8/W4A4 checkpoints) is ignored:
+  the fp8 linears here quantize activations themselves (per token or per
+  1×128 group) or take the per-call `x_scale` of FP8 prefill, and NVFP4 runs
+  W4A16 here.
+- A weight stored transposed ([K, N], as vLLM leaves some fp8 weights after
+  loading) is turned back when the object states its sizes
+  (`output_size_per_partition`/`input_size_per_partition`, or nn.Linear's
+  `out_features`/`in_features`) and they tell the two orientations apart.
+- NVFP4 `weight_scale` must be the checkpoint's row-major layout: the swizzled
+  layout vLLM makes after loading has the same shape at kv_b_proj sizes and
+  cannot be detected.
+- GPTQ `qzeros` packed int32 [K/g, N/8] (8 zero points along N per word,
+  lowest bits first) store zero − 1 (GPTQ v1 checkpoints) unless the object
+  says `checkpoint_format = "gptq_v2"`; an unpacked [K/g, N] `qzeros`/`zeros`
+  holds the zero points themselves; none means symmetric (zero 8). Only 4-bit
+  weights, and `g_idx` only in its trivial (no act-order) form.
+- int32 `.weight` (vLLM's Marlin repack, whose tile order differs from
+  mla_ext's) is not read: build `MarlinFp8Weight.from_checkpoint` from the
+  checkpoint fp8 weight and scale.
+A mapping (a state-dict slice {"weight": ..., "weight_scale_inv": ...}) is
+read like an object with those attributes. What cannot be recognised is a
+ValueError listing the tensor attributes found (name, dtype, shape).
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+
+import torch
+
+from mla_ext.kv_b_proj import reference as ref
+from mla_ext.kv_b_proj import weights as W
+from mla_ext.kv_b_proj.input_dtype import declared_compute_dtype
+
+# Names read through getattr (objects may expose them as properties).
+_KNOWN_TENSORS = ("weight", "bias", "weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale",
+                  "qweight", "scales", "qzeros", "zeros", "g_idx")
+_WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2")
+
+
+def _get(obj, name: str):
+    try:
+        return getattr(obj, name, None)
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _tensor_attrs(obj) -> dict[str, torch.Tensor]:
+    """Every tensor the object holds directly (parameters, buffers, attributes), detached."""
+    found: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.nn.Module):
+        found.update(obj.named_parameters(recurse=False))
+        found.update(obj.named_buffers(recurse=False))
+    for name, value in getattr(obj, "__dict__", {}).items():
+        if isinstance(value, torch.Tensor) and not name.startswith("_"):
+            found.setdefault(name, value)
+    for name in _KNOWN_TENSORS:
+        value = _get(obj, name)
+        if isinstance(value, torch.Tensor):
+            found.setdefault(name, value)
+    return {name: t.detach() for name, t in found.items()}
+
+
+def _listing(tensors: dict[str, torch.Tensor]) -> str:
+    if not tensors:
+        return "none"
+    return ", ".join(f"{n} {t.dtype} {list(t.shape)}" for n, t in tensors.items())
+
+
+def _model_dtype(obj, params_dtype, arg: str, what: str) -> torch.dtype:
+    if params_dtype is None:
+        params_dtype = declared_compute_dtype(obj)
+    if params_dtype is None and isinstance(_get(obj, "orig_dtype"), torch.dtype):
+        params_dtype = obj.orig_dtype
+    if params_dtype is None:
+        raise ValueError(
+            f"params_dtype: {arg} stores {what}, so the model (activation) dtype cannot be read from its "
+            f"storage; pass params_dtype= (one of {W.FLOAT_DTYPES}) or give the object a params_dtype or "
+            "orig_dtype attribute")
+    if params_dtype not in W.FLOAT_DTYPES:
+        raise ValueError(f"params_dtype: expected one of {W.FLOAT_DTYPES} (the model dtype), got {params_dtype}")
+    return params_dtype
+
+
+def _declared_sizes(obj) -> tuple[int, int] | None:
+    """(output rows, input columns) the object states, if it does."""
+    for out_attr, in_attr in (("output_size_per_partition", "input_size_per_partition"),
+                              ("out_features", "in_features")):
+        n, k = _get(obj, out_attr), _get(obj, in_attr)
+        if isinstance(n, int) and isinstance(k, int):
+            return n, k
+    return None
+
+
+def _oriented(obj, weight: torch.Tensor, arg: str, per_byte: int = 1) -> torch.Tensor:
+    """The weight as [N, K/per_byte], undoing a stored transpose when the object's sizes tell."""
+    sizes = _declared_sizes(obj)
+    if sizes is None or weight.dim() != 2:
+        return weight
+    want = (sizes[0], sizes[1] // per_byte)
+    if tuple(weight.shape) == want:
+        return weight
+    if per_byte == 1 and tuple(weight.shape) == want[::-1]:
+        return weight.t()
+    raise ValueError(f"{arg}.weight: expected shape {list(want)} from the object's stated sizes "
+                     f"(N={sizes[0]}, K={sizes[1]}), got {list(weight.shape)}")
+
+
+def _fp8(obj, t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype, arg: str) -> W.WeightFormat:
+    inv, scale = t.get("weight_scale_inv"), t.get("weight_scale")
+    if inv is not None and scale is not None:
+        raise ValueError(f"{arg}: an fp8 weight takes `weight_scale` or `weight_scale_inv`, not both; "
+                         f"tensor attributes found: {_listing(t)}")
+    if inv is None and scale is None:
+        raise ValueError(f"{arg}: an fp8 weight needs `weight_scale` (per-tensor [1] / per-channel [N]) or "
+                         f"`weight_scale_inv` (block 128x128); tensor attributes found: {_listing(t)}")
+    weight = _oriented(obj, weight, arg)
+    n, k = weight.shape
+    block_size = _get(obj, "weight_block_size")
+    block_shape = (-(-n // ref.FP8_BLOCK), -(-k // ref.FP8_BLOCK))
+    s = inv if inv is not None else scale
+    if inv is not None or block_size is not None or (
+            s.dim() == 2 and tuple(s.shape) == block_shape and tuple(s.shape) != (n, 1)):
+        return W.Fp8BlockWeight(weight, s, dt, tuple(block_size) if block_size is not None else (128, 128))
+    return W.Fp8Weight(weight, s, dt)
+
+
+def _nvfp4(t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype, arg: str) -> W.Nvfp4Weight:
+    scale, scale_2 = t.get("weight_scale"), t.get("weight_scale_2")
+    if scale is None or scale_2 is None:
+        raise ValueError(f"{arg}: a uint8 weight is read as NVFP4 and needs `weight_scale` (e4m3 [N, K/16]) and "
+                         f"`weight_scale_2` (fp32 global); tensor attributes found: {_listing(t)}")
+    return W.Nvfp4Weight(weight, scale, scale_2, dt)
+
+
+def _int4_zeros(obj, t: dict[str, torch.Tensor], groups: int, n: int, arg: str) -> torch.Tensor | None:
+    if "qzeros" in t and "zeros" in t:
+        raise ValueError(f"{arg}: expected one of `qzeros` or `zeros`, got both")
+    z = t.get("qzeros", t.get("zeros"))
+    if z is None or z.numel() == 0:
+        return None
+    if tuple(z.shape) == (groups, n):
+        return z
+    if z.dtype == torch.int32 and n % 8 == 0 and tuple(z.shape) == (groups, n // 8):
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=z.device)
+        unpacked = ((z.unsqueeze(-1) >> shifts) & 0xF).reshape(groups, n)
+        v2 = _get(obj, "checkpoint_format") == "gptq_v2"
+        return unpacked if v2 else unpacked + 1
+    raise ValueError(f"{arg}.qzeros: expected int32 [K/group, N/8] = {[groups, n // 8]} (packed, GPTQ) or "
+                     f"[K/group, N] = {[groups, n]} zero points, got {z.dtype} {list(z.shape)}")
+
+
+def _int4(obj, t: dict[str, torch.Tensor], dt: torch.dtype, arg: str) -> W.Int4GroupWeight:
+    qweight, scales = t["qweight"], t.get("scales")
+    bits = _get(obj, "weight_bits")
+    bits = _get(obj, "bits") if bits is None else bits
+    if bits is not None and bits != 4:
+        raise ValueError(f"{arg}: expected 4-bit weights (weight_bits/bits = 4), got {bits!r}")
+    if scales is None or qweight.dim() != 2 or scales.dim() != 2 or scales.shape[1] != qweight.shape[1]:
+        raise ValueError(f"{arg}: expected GPTQ layout qweight int32 [K/8, N] (8 values along K per word) with "
+                         f"scales [K/group, N]; AWQ-style packing along N is not supported; tensor attributes "
+                         f"found: {_listing(t)}")
+    k, n, groups = qweight.shape[0] * 8, qweight.shape[1], scales.shape[0]
+    group_size = _get(obj, "group_size")
+    if group_size is None or group_size == -1:  # -1: one group spanning K
+        if groups == 0 or k % groups:
+            raise ValueError(f"{arg}.scales: expected [K/group, N] with K={k}, got {list(scales.shape)}")
+        group_size = k // groups
+    zeros = _int4_zeros(obj, t, groups, n, arg)
+    g_idx = t.get("g_idx")
+    if g_idx is not None and g_idx.numel() > 0:
+        trivial = torch.arange(k, device=g_idx.device) // group_size
+        if g_idx.shape != trivial.shape or not torch.equal(g_idx.to(trivial.dtype), trivial):
+            raise ValueError(f"{arg}.g_idx: expected the trivial order arange(K) // group_size (act-order / "
+                             "desc_act weights are not supported)")
+    return W.Int4GroupWeight(qweight, scales, group_size, dt, zeros)
+
+
+def weight_format_from_module(module, params_dtype: torch.dtype | None = None, *,
+                              arg: str = "module") -> W.WeightFormat:
+    """The kv_b_proj WeightFormat of `module` (see the module doc for what is read).
+
+    A WeightFormat is returned as is, a KvBProj gives its `weight_format`.
+    `arg` names the argument in error messages."""
+    if isinstance(module, W.WeightFormat):
+        return module
+    if isinstance(_get(module, "weight_format"), W.WeightFormat):
+        return module.weight_format
+    accepted = (f"a kv_b_proj WeightFormat ({', '.join(c.__name__ for c in W.ALL_FORMATS)}), an nn.Linear, "
+                "or a module/object holding checkpoint tensors (weight + scales, or qweight + scales)")
+    if isinstance(module, Mapping):  # a state-dict-like {name: tensor or attribute}
+        module = types.SimpleNamespace(**{str(k): v for k, v in module.items()})
+    if module is None or isinstance(module, (torch.Tensor, str, bytes, int, float, list, tuple)):
+        raise ValueError(f"{arg}: expected {accepted}, got {type(module).__name__}")
+    t = _tensor_attrs(module)
+    if params_dtype is not None and params_dtype not in W.FLOAT_DTYPES:
+        raise ValueError(f"params_dtype: expected one of {W.FLOAT_DTYPES} (the model dtype), got {params_dtype}")
+    if t.get("bias") is not None:
+        raise ValueError(f"{arg}.bias: expected None (kv_b_proj has no bias), got a {t['bias'].dtype} "
+                         f"{list(t['bias'].shape)} tensor")
+    weight = t.get("weight")
+    if "qweight" in t and weight is None:
+        return _int4(module, t, _model_dtype(module, params_dtype, arg, "packed int4 weights"), arg)
+    if weight is None or weight.dim() != 2:
+        raise ValueError(f"{arg}: cannot recognise a kv_b_proj weight format in {type(module).__name__}: "
+                         f"expected {accepted}; tensor attributes found: {_listing(t)}")
+    wd = weight.dtype
+    if wd in W.FLOAT_DTYPES:
+        stray = [n for n in _WEIGHT_SCALES if n in t]
+        if stray:
+            raise ValueError(f"{arg}: a {wd} weight is read as dense, which has no scales, but {stray} "
+                             f"are present; tensor attributes found: {_listing(t)}")
+        weight = _oriented(module, weight, arg)
+        return W.DenseWeight(weight if params_dtype is None else weight.to(params_dtype))
+    if wd == torch.float8_e4m3fn:
+        return _fp8(module, t, weight, _model_dtype(module, params_dtype, arg, f"{wd} weights"), arg)
+    if wd == torch.uint8:
+        weight = _oriented(module, weight, arg, per_byte=2)
+        return _nvfp4(t, weight, _model_dtype(module, params_dtype, arg, "NVFP4 (uint8) weights"), arg)
+    if wd == torch.int32:
+        raise ValueError(f"{arg}.weight: int32 is a packed layout (e.g. vLLM's Marlin fp8 repack, whose tile "
+                         "order differs from mla_ext's) and is not read; build MarlinFp8Weight.from_checkpoint("
+                         f"weight, weight_scale, params_dtype) from the checkpoint fp8 tensors instead; tensor "
+                         f"attributes found: {_listing(t)}")
+    raise ValueError(f"{arg}.weight: unsupported dtype {wd}; expected bf16/fp16/fp32 (dense), float8_e4m3fn "
+                     f"(fp8) or uint8 (NVFP4); tensor attributes found: {_listing(t)}")
