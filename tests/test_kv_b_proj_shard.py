@@ -136,9 +136,27 @@ def test_shard_for_reads_the_full_model_config(full_formats):
     with pytest.raises(ValueError, match="model_config.V: expected an int >= 1"):
         shard_for(full_formats["nvfp4"], types.SimpleNamespace(num_heads=HEADS, P=128), 4, 2)
     per_rank = types.SimpleNamespace(num_heads=HEADS // 4, P=128, V=128)
-    with pytest.raises(ValueError, match=r"model_config: expected the FULL model's config, .* fmt.N = 2048, "
-                                         r"got 2 \* 256 = 512"):
+    with pytest.raises(ValueError, match=r"fmt: expected the full model's kv_b_proj, \[2 \* 256 = 512, "
+                                         r"L\] .* got N = 2048"):
         shard_for(full_formats["nvfp4"], per_rank, 4, 2)
+    with pytest.raises(ValueError, match="tp_size, rank: required with a full-model config"):
+        shard_for(full_formats["nvfp4"], cfg)
+
+
+def test_shard_for_takes_the_rank_from_a_per_rank_model_config(full_formats):
+    """MLAModelConfig.shard(tp_size, rank) knows its place: no need to repeat it."""
+    from mla_ext.models import MLAModelConfig
+
+    full = MLAModelConfig("m", L=full_formats["nvfp4"].K, R=64, P=128, V=128, num_heads=HEADS,
+                          num_layers=2)
+    mine = full.shard(4, 2)
+    a = shard_for(full_formats["nvfp4"], mine)
+    b = shard_weight(full_formats["nvfp4"], HEADS, 256, 4, 2)
+    assert torch.equal(a.dequantize_fp32(), b.dequantize_fp32())
+    assert torch.equal(shard_for(full_formats["nvfp4"], mine, 4, 2).dequantize_fp32(),
+                       b.dequantize_fp32())
+    with pytest.raises(ValueError, match="rank: model_config is rank 2 of 4; expected 2 or None, got 1"):
+        shard_for(full_formats["nvfp4"], mine, 4, 1)
 
 
 @pytest.mark.parametrize("args, match", [

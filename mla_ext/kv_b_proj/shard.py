@@ -70,14 +70,30 @@ def shard_weight(fmt: WeightFormat, num_heads: int, head_rows: int, tp_size: int
             f"[{rank * per_rank}, {(rank + 1) * per_rank}) of {num_heads}, rows [{start}, {stop})): {exc}") from exc
 
 
-def shard_for(fmt: WeightFormat, model_config, tp_size: int, rank: int) -> WeightFormat:
-    """`shard_weight` with the head count and P + V read from a FULL-model
-    config (`num_heads` = num_attention_heads, `P`, `V`; e.g. MLAModelConfig)."""
+def shard_for(fmt: WeightFormat, model_config, tp_size: int | None = None,
+              rank: int | None = None) -> WeightFormat:
+    """`shard_weight` with the head count and P + V read from a model config.
+
+    Either a per-rank config from `MLAModelConfig.shard(tp_size, rank)` (tp_size and
+    rank then come from it; if given they must agree), or a full-model config
+    (`num_heads` = num_attention_heads) with tp_size and rank given here."""
     for attr in ("num_heads", "P", "V"):
         _check_int(f"model_config.{attr}", getattr(model_config, attr, None), 1)
-    heads, head_rows = model_config.num_heads, model_config.P + model_config.V
+    cfg_tp, cfg_rank = getattr(model_config, "tp_size", 1), getattr(model_config, "tp_rank", 0)
+    if cfg_tp != 1:  # a per-rank config knows its place
+        for arg, given, own in (("tp_size", tp_size, cfg_tp), ("rank", rank, cfg_rank)):
+            if given is not None and given != own:
+                raise ValueError(f"{arg}: model_config is rank {cfg_rank} of {cfg_tp}; "
+                                 f"expected {own} or None, got {given!r}")
+        tp_size, rank = cfg_tp, cfg_rank
+        heads = model_config.num_heads * cfg_tp
+    else:
+        if tp_size is None or rank is None:
+            raise ValueError("tp_size, rank: required with a full-model config (or pass the "
+                             "per-rank config from MLAModelConfig.shard)")
+        heads = model_config.num_heads
+    head_rows = model_config.P + model_config.V
     if isinstance(fmt, WeightFormat) and fmt.N != heads * head_rows:
-        raise ValueError(f"model_config: expected the FULL model's config, whose num_heads * (P + V) equals "
-                         f"fmt.N = {fmt.N}, got {heads} * {head_rows} = {heads * head_rows} (a per-rank config, "
-                         "e.g. from MLAModelConfig.shard, counts one rank's heads only)")
+        raise ValueError(f"fmt: expected the full model's kv_b_proj, [{heads} * {head_rows} = "
+                         f"{heads * head_rows}, L] (num_heads * (P + V)); got N = {fmt.N}")
     return shard_weight(fmt, heads, head_rows, tp_size, rank)
