@@ -11,6 +11,12 @@
    prints its resolved plan, is checked against the one-shot dense oracle fed
    with what its cache holds, and reports the time of each step with the
    achieved GB/s or TFLOP/s.
+3. One real-model step: a tiny random transformers DeepSeek-V3 attention layer
+   (q LoRA, DeepSeek-V3's yarn rope scaling, L=512, R=64) served by mla_ext
+   (mla_ext.integrations.transformers_deepseek: dims, softmax scale and dtype from
+   the layer's config; fp8_ds_mla cache; Marlin FP8 kv_b_proj) beside transformers'
+   own forward of the same layer, in bf16 and in float64; the relative errors are
+   printed. Skipped, saying why, when transformers cannot be imported.
 
 Sizes: --full (the default when CUDA is available) is DeepSeek-V3 at TP8
 (16 heads), 6 layers, contexts of 32K/16K/8K/8K and 2K new tokens; the
@@ -41,6 +47,15 @@ SKIP_LAYERS = (0, 1, 60)
 BLOCK_SIZE = 64
 MEMORY_BYTES = 60 * 2**30
 TOLERANCE = 1e-2  # SPEC §9, bf16 paths: relative Frobenius error
+# The real-model step compares end to end from hidden states, so the module's own bf16
+# projections add to the error: mla_ext must be within REAL_TOLERANCE of transformers'
+# bf16 forward, and as close to the float64 forward as transformers' bf16 path is
+# (at most 1.5x its error + 1e-3).
+REAL_TOLERANCE = 2e-2
+# DeepSeek-V3's rope_scaling, as transformers 5 spells it.
+DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                    "beta_fast": 32, "beta_slow": 1}
 STEP_ORDER = ("gather", "kv_b_proj", "keys", "attention", "merge")
 
 
@@ -249,6 +264,71 @@ def run_prefill(size: Size, device: torch.device, seed: int, check_queries, prog
     }
 
 
+def run_transformers_step(size: Size, device: torch.device, seed: int) -> dict:
+    """A tiny random transformers DeepSeek-V3 layer: prefill with context through
+    mla_ext beside transformers' own forward (see the module doc, step 3)."""
+    try:
+        import transformers
+
+        from mla_ext.integrations import transformers_deepseek as tx
+    except Exception as exc:  # not installed, or not importable with this torch
+        return {"skipped": f"transformers cannot be imported ({type(exc).__name__}: {exc}); "
+                           "pip install -r requirements.txt"}
+    dtype, hidden = torch.bfloat16, 128
+    ctx_lens, q_lens, rows = ((100, 0, 37), (6, 3, 4), 64) if size.name == "tiny" \
+        else ((300, 0, 130), (8, 4, 6), 128)
+    module = tx.random_attention("v3", dtype=dtype, seed=seed, hidden_size=hidden, num_heads=4,
+                                 kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                                 v_head_dim=64, q_lora_rank=96,
+                                 rope_parameters=DEEPSEEK_V3_YARN).to(device)
+    # Marlin FP8 is weight-only (bf16 activations on every device), so transformers,
+    # given the dequantized weight, computes the same math.
+    weight = make_weight("marlin_fp8", module.kv_b_proj.weight.detach().float().cpu(), dtype).to(device)
+    with torch.no_grad():
+        module.kv_b_proj.weight.copy_(weight.dequantize(dtype))
+    layer = tx.TransformersMLA(module, CacheConfig(KV_CACHE_DTYPE, (), BLOCK_SIZE), kv_b_proj=weight,
+                               workspace_rows_override=rows, max_num_seqs=len(ctx_lens))
+    gen = torch.Generator().manual_seed(seed + 2)
+    xs = [torch.randn(c + q, hidden, generator=gen).to(dtype).to(device)
+          for c, q in zip(ctx_lens, q_lens)]
+    run = tx.prefill_beside_transformers(layer, xs, ctx_lens, seed=seed)
+    e = run.errors()
+    ok = (not bool(torch.isnan(run.out).any()) and e["vs_transformers"] <= REAL_TOLERANCE
+          and e["vs_fp64"] <= min(REAL_TOLERANCE, 1.5 * e["transformers_vs_fp64"] + 1e-3))
+    m = layer.model
+    return {
+        "transformers": transformers.__version__, "module": type(module).__name__,
+        "dims": {"heads": m.num_heads, "L": m.L, "R": m.R, "P": m.P, "V": m.V,
+                 "q_lora_rank": module.q_lora_rank, "hidden": hidden},
+        "dtype": str(m.model_dtype).removeprefix("torch."), "dtype_source": m.dtype_source,
+        "softmax_scale": layer.prefill.softmax_scale, "softmax_scale_source": m.softmax_scale_source,
+        "module_scaling": module.scaling, "base_scale": (m.P + m.R) ** -0.5,
+        "kv_cache_dtype": layer.prefill.kv_cache_dtype, "kv_b_proj": weight.describe(),
+        "ctx_lens": list(ctx_lens), "q_lens": list(q_lens),
+        "chunks": run.metadata.plan(layer.prefill.workspace_rows, layer.prefill.chunk_alignment).num_chunks,
+        **e, "ok": ok,
+    }
+
+
+def format_transformers_step(r: dict) -> str:
+    if "skipped" in r:
+        return f"Real model (transformers DeepSeek-V3 layer): skipped: {r['skipped']}"
+    d = r["dims"]
+    return "\n".join([
+        f"Real model: transformers {r['transformers']} {r['module']}, a tiny random layer "
+        f"({d['heads']} heads, L={d['L']} R={d['R']} P={d['P']} V={d['V']}, q LoRA {d['q_lora_rank']}, "
+        f"DeepSeek-V3 yarn), {r['dtype']}",
+        f"  softmax scale {r['softmax_scale']:.5f} from its config; transformers' module.scaling "
+        f"{r['module_scaling']:.5f} (a bare (P+R)^-0.5 would be {r['base_scale']:.5f})",
+        f"    {r['softmax_scale_source']}",
+        f"  cache {r['kv_cache_dtype']}, kv_b_proj {r['kv_b_proj'].split(' params_dtype')[0]}; "
+        f"context {r['ctx_lens']}, new {r['q_lens']} tokens, {r['chunks']} context chunks",
+        f"  mla_ext vs transformers' own forward over the whole sequences: rel err "
+        f"{r['vs_transformers']:.2e} (both bf16); vs float64 {r['vs_fp64']:.2e} (transformers' "
+        f"own bf16 path: {r['transformers_vs_fp64']:.2e}): {'ok' if r['ok'] else 'FAILED'}",
+    ])
+
+
 @contextlib.contextmanager
 def _cpu_attention(device: torch.device):
     """On the CPU, attention runs through the torch backend: under
@@ -297,9 +377,11 @@ def run_demo(argv: list[str] | None = None) -> int:
     progress_on = args.progress == "on" or (args.progress == "auto" and (size.name == "full" or sys.stderr.isatty()))
     with _cpu_attention(device):
         result = run_prefill(size, device, args.seed, check_queries, progress_on)
+        real = run_transformers_step(size, device, args.seed)
+    ok = result["ok"] and real.get("ok", True)
 
     if args.json:
-        print(json.dumps({**json.loads(plan_text), "prefill": result}, indent=2))
+        print(json.dumps({**json.loads(plan_text), "prefill": result, "real_model": real}, indent=2))
     else:
         print()
         print(f"Prefill with context: {result['model']} on {result['device_name']}, "
@@ -311,6 +393,10 @@ def run_demo(argv: list[str] | None = None) -> int:
             print(format_layer(r))
             print()
         print(format_summary(result["layers"]))
+        print()
+        print(format_transformers_step(real))
         bad = [r["layer"] for r in result["layers"] if not r["ok"]]
         print(f"\nall {len(result['layers'])} layers ok" if not bad else f"\nFAILED layers: {bad}")
-    return 0 if result["ok"] else 1
+        if "skipped" not in real:
+            print("real-model step ok" if real["ok"] else "FAILED: the real-model step")
+    return 0 if ok else 1

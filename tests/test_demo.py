@@ -2,9 +2,15 @@
 
 The demo's prefill runs a 4-layer DeepSeek-shaped stack (layers 0 and 3
 skipped: native bf16 cache; 1 and 2 fp8_ds_mla; block-FP8, Marlin FP8 and
-NVFP4 kv_b_proj weights) and checks every layer against the one-shot oracle.
+NVFP4 kv_b_proj weights) and checks every layer against the one-shot oracle;
+then one real-model step: a tiny random transformers DeepSeek-V3 layer through
+mla_ext beside transformers' own forward (skipped, saying why, without transformers).
 """
+import importlib.util
 import json
+import sys
+
+import pytest
 
 import torch
 
@@ -15,6 +21,8 @@ from mla_ext.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill
 from mla_ext.prefill.synthetic import SyntheticBatch
 from mla_ext.prefill.timing import StepClock, step_work
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
 def test_tiny_demo_checks_every_layer(capsys):
@@ -28,7 +36,13 @@ def test_tiny_demo_checks_every_layer(capsys):
         assert fmt in out
     for step in ("gather", "kv_b_proj", "attention", "merge", "GB/s", "TFLOP/s"):
         assert step in out
-    assert out.count(") ok") == 4 and "all 4 layers ok" in out
+    assert out.count("(tolerance 1e-02) ok") == 4 and "all 4 layers ok" in out
+    if HAS_TRANSFORMERS:
+        assert "Real model: transformers" in out and "DeepseekV3Attention" in out
+        assert "transformers' module.scaling 0.16563" in out and "softmax scale 0.16563" in out
+        assert "cache fp8_ds_mla, kv_b_proj marlin_fp8" in out and out.rstrip().endswith("real-model step ok")
+    else:
+        assert "Real model (transformers DeepSeek-V3 layer): skipped: transformers cannot be imported" in out
 
 
 def test_tiny_demo_json_and_failure_exit_code(capsys, monkeypatch):
@@ -40,10 +54,30 @@ def test_tiny_demo_json_and_failure_exit_code(capsys, monkeypatch):
     for r in p["layers"]:
         assert 0 < r["rel_err"] <= 1e-2 and r["chunks"] >= 2
         assert all(s["seconds"] > 0 for s in r["steps"].values())
-    # A layer outside the tolerance makes the demo fail.
+    real = doc["real_model"]
+    if HAS_TRANSFORMERS:
+        # The config-derived scale is transformers' own (DeepSeek-V3 yarn), not the bare one.
+        assert real["ok"] and real["softmax_scale"] == pytest.approx(real["module_scaling"], rel=1e-12)
+        assert real["softmax_scale"] > 1.8 * real["base_scale"]
+        assert 0 < real["vs_transformers"] <= 2e-2 and 0 < real["vs_fp64"] <= 2e-2
+        assert real["kv_cache_dtype"] == "fp8_ds_mla" and real["chunks"] >= 2
+    else:
+        assert "skipped" in real
+    # A layer, or the real-model step, outside its tolerance makes the demo fail.
     monkeypatch.setattr(demo, "TOLERANCE", 1e-9)
+    monkeypatch.setattr(demo, "REAL_TOLERANCE", 1e-9)
     assert run_demo(["--tiny"]) == 1
-    assert "FAILED layers: [0, 1, 2, 3]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FAILED layers: [0, 1, 2, 3]" in out
+    assert ("FAILED: the real-model step" in out) == HAS_TRANSFORMERS
+
+
+def test_real_model_step_without_transformers_is_skipped_with_the_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    r = demo.run_transformers_step(demo.SIZES["tiny"], torch.device("cpu"), 0)
+    assert r == {"skipped": r["skipped"]} and "transformers cannot be imported (ModuleNotFoundError" in r["skipped"]
+    assert demo.format_transformers_step(r).startswith(
+        "Real model (transformers DeepSeek-V3 layer): skipped: transformers cannot be imported")
 
 
 def test_step_work_counts_and_clock():
