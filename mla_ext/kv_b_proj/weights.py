@@ -66,6 +66,23 @@ def _check_finite_positive(name: str, t: torch.Tensor) -> None:
              f"{name} must be finite and > 0 everywhere")
 
 
+def _check_e4m3_weight(name: str, w: torch.Tensor) -> None:
+    """e4m3fn has NaN (bytes 0x7F/0xFF) and no inf: a NaN byte in a weight would
+    turn whole output columns into NaN. One pass at construction time."""
+    nan = (w.view(torch.uint8) & 0x7F) == 0x7F
+    count = int(nan.sum())
+    if count:
+        row, col = (int(i) for i in nan.nonzero()[0])
+        raise ValueError(f"{name}: expected finite e4m3 values; found {count} NaN bytes "
+                         f"(0x7F/0xFF), the first at [{row}, {col}]")
+
+
+def _check_int_arg(name: str, value, minimum: int) -> int:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+             f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
 class WeightFormat:
     """Common behaviour: shape, dtype bookkeeping, dequantize, device moves."""
 
@@ -161,6 +178,7 @@ class Fp8Weight(WeightFormat):
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, params_dtype: torch.dtype):
         _require(weight.dim() == 2, f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
         _require(weight.dtype == torch.float8_e4m3fn, f"weight dtype must be torch.float8_e4m3fn, got {weight.dtype}")
+        _check_e4m3_weight("weight", weight)
         n = weight.shape[0]
         scale = weight_scale.reshape(-1).float()
         _require(scale.numel() in (1, n),
@@ -218,6 +236,7 @@ class Fp8BlockWeight(WeightFormat):
                  f"block_size must be (128, 128), got {tuple(block_size)}")
         _require(weight.dim() == 2, f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
         _require(weight.dtype == torch.float8_e4m3fn, f"weight dtype must be torch.float8_e4m3fn, got {weight.dtype}")
+        _check_e4m3_weight("weight", weight)
         n, k = weight.shape
         want = (-(-n // ref.FP8_BLOCK), -(-k // ref.FP8_BLOCK))
         _require(tuple(weight_scale_inv.shape) == want,
@@ -296,6 +315,7 @@ class MarlinFp8Weight(WeightFormat):
 
         _require(params_dtype in ACT_DTYPES, f"params_dtype must be bf16 or fp16 for Marlin, got {params_dtype}")
         _require(weight.dtype == torch.float8_e4m3fn, f"weight dtype must be torch.float8_e4m3fn, got {weight.dtype}")
+        _check_e4m3_weight("weight", weight)
         n, k = weight.shape
         if block_size is not None:
             blk = Fp8BlockWeight(weight, weight_scale, params_dtype, block_size)
@@ -404,7 +424,8 @@ class Int4GroupWeight(WeightFormat):
         _require(qweight.dim() == 2 and qweight.dtype == torch.int32,
                  f"qweight must be int32 [K/8, N], got {qweight.dtype} shape {tuple(qweight.shape)}")
         k, n = qweight.shape[0] * 8, qweight.shape[1]
-        _require(group_size > 0 and k % group_size == 0,
+        _check_int_arg("group_size", group_size, 1)
+        _require(k % group_size == 0,
                  f"group_size must be > 0 and divide K={k}, got {group_size}")
         want = (k // group_size, n)
         _require(tuple(scales.shape) == want, f"scales must have shape {want}, got {tuple(scales.shape)}")
@@ -426,6 +447,7 @@ class Int4GroupWeight(WeightFormat):
     def from_dense(cls, w: torch.Tensor, group_size: int = 128,
                    params_dtype: torch.dtype | None = None) -> "Int4GroupWeight":
         n, k = w.shape
+        _check_int_arg("group_size", group_size, 1)
         _require(k % 8 == 0 and k % group_size == 0,
                  f"K must be a multiple of 8 and of group_size={group_size}, got {k}")
         dt = params_dtype or w.dtype

@@ -1,0 +1,51 @@
+"""Weight formats refuse what would silently poison the output (issue 11):
+e4m3 NaN bytes in fp8 weights, non-integer group sizes."""
+import pytest
+import torch
+
+from mla_ext.kv_b_proj import weights as W
+
+
+def _fp8_with_nan(n=256, k=256, where=(130, 7), byte=0x7F):
+    torch.manual_seed(0)
+    q = (torch.randn(n, k) * 0.3).to(torch.float8_e4m3fn)
+    raw = q.view(torch.uint8).clone()
+    raw[where] = byte
+    return raw.view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+@pytest.mark.parametrize("build", [
+    lambda w: W.Fp8Weight(w, torch.rand(w.shape[0]) + 0.5, torch.bfloat16),
+    lambda w: W.Fp8Weight(w, torch.tensor([0.7]), torch.bfloat16),
+    lambda w: W.Fp8BlockWeight(w, torch.rand(2, 2) + 0.5, torch.bfloat16),
+    lambda w: W.MarlinFp8Weight.from_checkpoint(w, torch.rand(w.shape[0]) + 0.5, torch.bfloat16),
+    lambda w: W.MarlinFp8Weight.from_checkpoint(w, torch.rand(2, 2) + 0.5, torch.bfloat16,
+                                                block_size=(128, 128)),
+], ids=["per_channel", "per_tensor", "block", "marlin", "marlin_block"])
+def test_fp8_nan_bytes_are_refused_with_their_place(build, byte):
+    with pytest.raises(ValueError, match=r"weight: expected finite e4m3 values; found 1 NaN bytes "
+                                         r"\(0x7F/0xFF\), the first at \[130, 7\]"):
+        build(_fp8_with_nan(byte=byte))
+
+
+def test_finite_fp8_weights_still_accepted():
+    torch.manual_seed(1)
+    w = (torch.randn(256, 256) * 0.3).to(torch.float8_e4m3fn)
+    assert W.Fp8Weight(w, torch.tensor([0.5]), torch.bfloat16).N == 256
+    assert W.Fp8BlockWeight(w, torch.rand(2, 2) + 0.5, torch.bfloat16).K == 256
+
+
+@pytest.mark.parametrize("group_size", [64.0, True, "64", 0, -64])
+def test_int4_group_size_must_be_a_positive_int(group_size):
+    torch.manual_seed(2)
+    ok = W.Int4GroupWeight.from_dense(torch.randn(64, 128), group_size=64,
+                                      params_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"group_size: expected an int >= 1, got {group_size!r}"):
+        W.Int4GroupWeight(ok.qweight, ok.scales, group_size, torch.bfloat16)
+
+
+def test_int4_from_dense_checks_group_size_first():
+    with pytest.raises(ValueError, match=r"group_size: expected an int >= 1, got 64.0"):
+        W.Int4GroupWeight.from_dense(torch.randn(64, 128), group_size=64.0,
+                                     params_dtype=torch.bfloat16)
