@@ -343,6 +343,31 @@ def _cpu_attention(device: torch.device):
         yield
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    """cpu or cuda[:i] with that GPU present; anything else is a usage error, not a traceback."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device(s)")
+    return device
+
+
 def run_demo(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mla_ext demo", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the plan and the results as JSON")
@@ -352,9 +377,10 @@ def run_demo(argv: list[str] | None = None) -> int:
     sizes.add_argument("--reduced", dest="size", action="store_const", const="reduced",
                        help="few heads and layers, short contexts (default on the CPU)")
     sizes.add_argument("--tiny", dest="size", action="store_const", const="tiny", help="smallest (tests)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--device", type=_device, default=None,
+                        help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--check-queries", type=int, default=None, metavar="K",
+    parser.add_argument("--check-queries", type=_positive_int, default=None, metavar="K",
                         help="check only the first K new tokens of each request (default: all; "
                              "64 with --full)")
     parser.add_argument("--plan-only", action="store_true", help="print the cache plan and stop")
@@ -371,7 +397,7 @@ def run_demo(argv: list[str] | None = None) -> int:
             print(plan_text)
         return 0
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = SIZES[args.size or ("full" if device.type == "cuda" else "reduced")]
     check_queries = args.check_queries if args.check_queries is not None else (64 if size.name == "full" else None)
     progress_on = args.progress == "on" or (args.progress == "auto" and (size.name == "full" or sys.stderr.isatty()))

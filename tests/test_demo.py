@@ -104,3 +104,16 @@ def test_step_work_counts_and_clock():
     assert abs(t["total"] - sum(v for k, v in t.items() if k != "total")) < 1e-9
     # The clock does not change the result.
     assert torch.equal(out, layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta))
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--device", "cuda:64"], "argument --device: 'cuda:64': this machine has"),
+    (["--check-queries", "-1"], "argument --check-queries: expected an integer >= 1, got '-1'"),
+    (["--check-queries", "0"], "argument --check-queries: expected an integer >= 1, got '0'"),
+])
+def test_bad_demo_arguments_are_usage_errors_not_tracebacks(args, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_demo(["--tiny", *args])
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
