@@ -60,3 +60,38 @@ def test_gpu_layer_matches_oracle_without_host_sync(fmt, index, wkind):
     )
     assert not torch.isnan(out).any()
     assert rel_fro(out.cpu(), ref) <= 1e-2
+
+
+@pytest.mark.parametrize("fmt,index,wkind", CASES)
+def test_gpu_layer_cuda_graph_capture_and_replay(fmt, index, wkind):
+    """The whole layer forward is capturable: after one eager warm-up (Triton
+    compiles, weights dequantized once), a captured forward replays to the same
+    output and picks up new inputs copied into the captured tensors."""
+    batch = SyntheticBatch(TINY, [300, 0, 37, 1, 130], [5, 3, 1, 2, 7], BLOCK, device="cuda", seed=11)
+    layer = _layer(fmt, index, wkind, seed=index + 5)
+    k_scale = torch.tensor([0.02], device="cuda")
+    kv_c, k_pe = batch.layer_context(index)
+    cache = batch.fill_cache(layer, kv_c, k_pe, k_scale)
+    meta = batch.metadata(k_scale)
+    q, kv_new, pe_new = batch.q.clone(), batch.kv_c_new.clone(), batch.k_pe_new.clone()
+    eager = layer(q, kv_new, pe_new, cache, meta)
+    torch.cuda.synchronize()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
+        layer(q, kv_new, pe_new, cache, meta)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(q, kv_new, pe_new, cache, meta)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and rel_fro(out.cpu(), eager.cpu().float()) <= 1e-6
+
+    q.copy_(torch.randn_like(q))  # new queries, same shapes: the replay follows them
+    want = layer(q.clone(), kv_new, pe_new, cache, meta)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_fro(out.cpu(), want.cpu().float()) <= 1e-3
