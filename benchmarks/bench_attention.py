@@ -10,13 +10,15 @@
   for the causal new-token pass and a non-causal context chunk.
 
 On a GPU all backends run; on the CPU the Triton interpreter is skipped (it
-measures Python, not a kernel) unless --interpreter is given. Results go to
-DIR/bench_attention_<device>.csv and .png (default benchmarks/results/).
+measures Python, not a kernel) unless --interpreter is given. Each backend's
+output is checked first (merge: against the torch backend; attention: against
+SDPA; relative error <= 2e-2). Results go to DIR/bench_attention_<device>.csv
+(each row as it is measured; a failure or mismatch is a row with its status and
+error, and the run goes on) and .png (default benchmarks/results/).
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -25,7 +27,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
+
+from bench_common import RowLog, finish  # noqa: E402
 
 from mla_ext.attention import ATTENTION, MERGE, merge_attn_states, varlen_attention  # noqa: E402
 from mla_ext.attention.api import AttentionInputs, MergeInputs  # noqa: E402
@@ -57,8 +62,35 @@ def usable(dispatcher, inputs, skip: set[str]) -> list[str]:
     return [b.name for b in dispatcher.backends if b.name not in skip and not b.not_supported_reasons(inputs)]
 
 
-def bench_merge(device, dtype, shapes, reps, skip) -> list[dict]:
-    rows = []
+MAX_REL_ERR = 2e-2  # bf16 outputs against a reference computed from the same inputs
+MAX_REFERENCE_SCORE_BYTES = 4 << 30  # the torch backend materialises [N, q, k] fp32 scores per request
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    if not bool(torch.isfinite(got).all()):
+        return float("nan")
+    return float((got - want).norm() / want.norm().clamp(min=1e-30))
+
+
+def measure(log: RowLog, row: dict, check, timed, amount: float, baseline: float | None) -> None:
+    """check() -> relative error against the reference; timed() is what is timed
+    (seconds per call); `amount` bytes or flops per call. A failure or a mismatch
+    is a row with its message."""
+    try:
+        err = check()
+        if not err <= MAX_REL_ERR:
+            log.fail(row, f"relative error {err:.3g} > {MAX_REL_ERR} against the reference", "mismatch")
+            return
+        s = timed()
+    except Exception as exc:  # noqa: BLE001 - the next backend or shape may still run
+        log.fail(row, exc)
+        return
+    metric = amount / s / (1e9 if row["unit"] == "GB/s" else 1e12)
+    log.add(dict(row, ms=s * 1e3, metric=metric, vs_baseline=metric / baseline if baseline else 1.0))
+
+
+def bench_merge(device, dtype, shapes, reps, skip, log: RowLog) -> None:
     for t, n, d in shapes:
         g = torch.Generator().manual_seed(0)
         o1 = torch.randn(t, n, d, generator=g).to(dtype).to(device)
@@ -68,17 +100,28 @@ def bench_merge(device, dtype, shapes, reps, skip) -> list[dict]:
         out, out_lse = torch.empty_like(o1), torch.empty_like(l1)
         es = o1.element_size()
         merge_bytes = 3 * t * n * d * es + 3 * n * t * 4
-        copy_s = timeit(lambda: out.copy_(o1), device, reps)
+        common = dict(shape=f"T{t} N{n} D{d}", dtype=str(dtype)[6:], unit="GB/s")
+        try:
+            with MERGE.force("torch"):
+                want, _ = merge_attn_states(o1, l1, o2, l2)
+            copy_s = timeit(lambda: out.copy_(o1), device, reps)
+        except Exception as exc:  # noqa: BLE001
+            log.fail(dict(common, op="copy", backend="torch.copy_"), exc)
+            continue
         copy_gbs = 2 * t * n * d * es / copy_s / 1e9
-        rows.append(dict(op="copy", backend="torch.copy_", shape=f"T{t} N{n} D{d}", dtype=str(dtype)[6:],
-                         ms=copy_s * 1e3, metric=copy_gbs, unit="GB/s", vs_baseline=1.0))
+        log.add(dict(common, op="copy", backend="torch.copy_", ms=copy_s * 1e3, metric=copy_gbs, vs_baseline=1.0))
         for name in usable(MERGE, MergeInputs(out, out_lse, o1, l1, o2, l2), skip):
-            with MERGE.force(name):
-                s = timeit(lambda: merge_attn_states(o1, l1, o2, l2, out=out, out_lse=out_lse), device, reps)
-            gbs = merge_bytes / s / 1e9
-            rows.append(dict(op="merge", backend=name, shape=f"T{t} N{n} D{d}", dtype=str(dtype)[6:],
-                             ms=s * 1e3, metric=gbs, unit="GB/s", vs_baseline=gbs / copy_gbs))
-    return rows
+            def call(name=name):
+                with MERGE.force(name):
+                    merge_attn_states(o1, l1, o2, l2, out=out, out_lse=out_lse)
+
+            def check(call=call):
+                out.fill_(float("nan"))
+                call()
+                return rel_err(out, want)
+
+            measure(log, dict(common, op="merge", backend=name), check, lambda call=call: timeit(call, device, reps),
+                    merge_bytes, copy_gbs)
 
 
 def causal_pairs(q_len: int, k_len: int) -> int:
@@ -86,8 +129,7 @@ def causal_pairs(q_len: int, k_len: int) -> int:
     return sum(max(0, min(k_len, i + 1 + k_len - q_len)) for i in range(q_len))
 
 
-def bench_attention(device, dtype, cases, n, dqk, dv, reps, skip) -> list[dict]:
-    rows = []
+def bench_attention(device, dtype, cases, n, dqk, dv, reps, skip, log: RowLog) -> None:
     for label, q_lens, k_lens, causal in cases:
         g = torch.Generator().manual_seed(0)
         q = torch.randn(sum(q_lens), n, dqk, generator=g).to(dtype).to(device)
@@ -107,22 +149,32 @@ def bench_attention(device, dtype, cases, n, dqk, dv, reps, skip) -> list[dict]:
                  for a, b in zip(q_lens, k_lens)]
 
         def sdpa():
-            for qq, kk, vv, m in zip(qs, ks, vs, masks):
-                F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, scale=scale)
+            return [F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, scale=scale)
+                    for qq, kk, vv, m in zip(qs, ks, vs, masks)]
 
-        s = timeit(sdpa, device, reps)
+        common = dict(op="attention", shape=shape, dtype=str(dtype)[6:], unit="TFLOP/s")
+        try:
+            want = torch.cat([o[0].transpose(0, 1) for o in sdpa()])  # [T, N, Dv], the reference
+            s = timeit(sdpa, device, reps)
+        except Exception as exc:  # noqa: BLE001
+            log.fail(dict(common, backend="torch.sdpa"), exc)
+            continue
         base = flops / s / 1e12
-        rows.append(dict(op="attention", backend="torch.sdpa", shape=shape, dtype=str(dtype)[6:],
-                         ms=s * 1e3, metric=base, unit="TFLOP/s", vs_baseline=1.0))
+        log.add(dict(common, backend="torch.sdpa", ms=s * 1e3, metric=base, vs_baseline=1.0))
         x = AttentionInputs(q, k, v, cq, ck, max(q_lens), max(k_lens), scale, causal)
         for name in usable(ATTENTION, x, skip):
-            with ATTENTION.force(name):
-                s = timeit(lambda: varlen_attention(q, k, v, cq, ck, max(q_lens), max(k_lens), scale, causal),
-                           device, reps)
-            tf = flops / s / 1e12
-            rows.append(dict(op="attention", backend=name, shape=shape, dtype=str(dtype)[6:],
-                             ms=s * 1e3, metric=tf, unit="TFLOP/s", vs_baseline=tf / base))
-    return rows
+            score_bytes = n * max(q_lens) * max(k_lens) * 4
+            if name == "torch" and score_bytes > MAX_REFERENCE_SCORE_BYTES:
+                print(f"  {shape}: not timing the torch reference backend ({score_bytes / 2**30:.0f} GiB of fp32 "
+                      "scores per request)", flush=True)
+                continue
+
+            def call(name=name):
+                with ATTENTION.force(name):
+                    return varlen_attention(q, k, v, cq, ck, max(q_lens), max(k_lens), scale, causal)
+
+            measure(log, dict(common, backend=name), lambda call=call: rel_err(call()[0], want),
+                    lambda call=call: timeit(call, device, reps), flops, base)
 
 
 def plot(rows, path):
@@ -144,10 +196,10 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(_HERE, "results"))
     ap.add_argument("--interpreter", action="store_true", help="also time Triton under the CPU interpreter")
     args = ap.parse_args(argv)
 
@@ -167,24 +219,24 @@ def main(argv=None):
         n = 4 if args.quick else 16
         cases = [("new causal 2x128", [128] * 2, [128] * 2, True),
                  ("ctx chunk 2x(32q,1024k)", [32] * 2, [1024] * 2, False)]
-    rows = bench_merge(device, dtype, merge_shapes, reps, skip)
-    rows += bench_attention(device, dtype, cases, n, 192, 128, reps, skip)
-
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"bench_attention_{device}")
-    with open(stem + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()) + ["device", "quick"])
-        w.writeheader()
-        for r in rows:
-            w.writerow({**r, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                        "quick": args.quick})
-    plot(rows, stem + ".png")
+    log = RowLog(stem + ".csv", ["op", "backend", "shape", "dtype", "ms", "metric", "unit", "vs_baseline"],
+                 dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", quick=args.quick))
+    interrupted = False
+    try:
+        bench_merge(device, dtype, merge_shapes, reps, skip, log)
+        bench_attention(device, dtype, cases, n, 192, 128, reps, skip, log)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: reporting the rows measured so far", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        log.fail(dict(op="run"), exc)
     print(f"{'op':<10}{'backend':<13}{'shape':<40}{'ms':>10}{'value':>12}  unit     vs base")
-    for r in rows:
+    for r in log.ok():
         print(f"{r['op']:<10}{r['backend']:<13}{r['shape']:<40}{r['ms']:>10.3f}{r['metric']:>12.3f}  "
               f"{r['unit']:<8} {r['vs_baseline']:.2f}x")
-    print(f"wrote {stem}.csv and {stem}.png")
+    return finish(log, interrupted, lambda rows: plot(rows, stem + ".png"))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,12 +18,13 @@ backend's output is checked against the torch baseline before it is timed.
 On a GPU: 8K, 64K and 300K context tokens, block sizes 16 and 64, timed with
 CUDA events and an L2 flush before every repetition (cold cache, as in a real
 prefill). On the CPU: 8K and 64K (8K with --quick). Results go to
-DIR/gather_<device>.csv and DIR/gather_<device>.png (default benchmarks/results/).
+DIR/gather_<device>.csv and DIR/gather_<device>.png (default benchmarks/results/);
+the CSV gets each row as it is measured, and a backend that fails or differs from
+the baseline is a row with its status and error (the run goes on; exit status 1).
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -31,7 +32,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
+
+from bench_common import RowLog, finish  # noqa: E402
 
 from mla_ext.cache import api  # noqa: E402
 from mla_ext.formats import DsMla, get_format  # noqa: E402
@@ -153,42 +157,55 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 # -- one configuration ----------------------------------------------------------
 
-def bench_one(fmt: str, tokens: int, B: int, device: str, timer: Timer, gen) -> list[dict]:
-    num_blocks, table, cu, starts_t, lens, starts = make_batch(tokens, B, gen)
-    cache = make_cache(fmt, num_blocks, B, gen).to(device)
-    table, cu, starts_t = table.to(device), cu.to(device), starts_t.to(device)
-    k_scale = torch.tensor([K_SCALE], device=device)
-    entry_bytes = cache.shape[2] * cache.element_size()
-    moved = tokens * (entry_bytes + E * 2)  # rows read + bf16 rows written
-    dst = torch.empty(tokens, E, dtype=torch.bfloat16, device=device)
+def bench_one(fmt: str, tokens: int, B: int, device: str, timer: Timer, gen, log: RowLog) -> None:
+    """Rows for one (format, tokens, block size), appended to `log` as measured; a
+    backend that fails or differs from the torch baseline is a row with its error."""
+    common = dict(format=fmt, tokens=tokens, block_size=B)
+    try:
+        num_blocks, table, cu, starts_t, lens, starts = make_batch(tokens, B, gen)
+        cache = make_cache(fmt, num_blocks, B, gen).to(device)
+        table, cu, starts_t = table.to(device), cu.to(device), starts_t.to(device)
+        k_scale = torch.tensor([K_SCALE], device=device)
+        entry_bytes = cache.shape[2] * cache.element_size()
+        moved = tokens * (entry_bytes + E * 2)  # rows read + bf16 rows written
+        common["bytes_moved"] = moved
+        dst = torch.empty(tokens, E, dtype=torch.bfloat16, device=device)
 
-    half = moved // 2
-    src_c, dst_c = torch.empty(half, dtype=torch.uint8, device=device), torch.empty(half, dtype=torch.uint8, device=device)
-    src_c.fill_(3)
-    copy_s = timer(lambda: dst_c.copy_(src_c))
-    del src_c, dst_c
-    copy_gbs = moved / copy_s / 1e9
+        half = moved // 2
+        src_c, dst_c = torch.empty(half, dtype=torch.uint8, device=device), torch.empty(half, dtype=torch.uint8, device=device)
+        src_c.fill_(3)
+        copy_s = timer(lambda: dst_c.copy_(src_c))
+        del src_c, dst_c
+        copy_gbs = moved / copy_s / 1e9
 
-    want = torch.empty_like(dst)
-    torch_s = timer(lambda: torch_baseline(cache, table, lens, starts, fmt, K_SCALE, want))
-    common = dict(format=fmt, tokens=tokens, block_size=B, bytes_moved=moved)
-    rows = [dict(common, backend="copy (roofline)", ms=copy_s * 1e3, gbs=copy_gbs, pct_copy=100.0,
-                 speedup_vs_torch=torch_s / copy_s),
-            dict(common, backend="torch index_select+dequant", ms=torch_s * 1e3, gbs=moved / torch_s / 1e9,
-                 pct_copy=100 * copy_s / torch_s, speedup_vs_torch=1.0)]
+        want = torch.empty_like(dst)
+        torch_s = timer(lambda: torch_baseline(cache, table, lens, starts, fmt, K_SCALE, want))
+    except Exception as exc:  # noqa: BLE001 - no baseline: one error row for the configuration
+        log.fail(dict(common, backend="setup"), exc)
+        return
+    log.add(dict(common, backend="copy (roofline)", ms=copy_s * 1e3, gbs=copy_gbs, pct_copy=100.0,
+                 speedup_vs_torch=torch_s / copy_s))
+    log.add(dict(common, backend="torch index_select+dequant", ms=torch_s * 1e3, gbs=moved / torch_s / 1e9,
+                 pct_copy=100 * copy_s / torch_s, speedup_vs_torch=1.0))
     inputs = api.GatherInputs(cache, dst, table, cu, NUM_REQS, fmt, k_scale, starts_t)
     for name in usable_backends(inputs, device):
-        with api.GATHER.force(name):
-            def run():
-                api.gather_and_maybe_dequant_cache(cache, dst, table, cu, NUM_REQS, fmt, k_scale, starts_t)
-            dst.fill_(float("nan"))
-            run()
-            if not _close(dst, want):
-                raise SystemExit(f"{name} gather of {fmt} (T={tokens}, B={B}) differs from the torch baseline")
-            s = timer(run)
-        rows.append(dict(common, backend=name, ms=s * 1e3, gbs=moved / s / 1e9, pct_copy=100 * copy_s / s,
-                         speedup_vs_torch=torch_s / s))
-    return rows
+        row = dict(common, backend=name)
+        try:
+            with api.GATHER.force(name):
+                def run():
+                    api.gather_and_maybe_dequant_cache(cache, dst, table, cu, NUM_REQS, fmt, k_scale, starts_t)
+                dst.fill_(float("nan"))
+                run()
+                if not _close(dst, want):
+                    bad = int((~torch.isclose(dst.float(), want.float(), rtol=2.0**-7, atol=0, equal_nan=True)).sum())
+                    log.fail(row, f"{name} gather differs from the torch baseline in {bad} of {dst.numel()} values",
+                             "mismatch")
+                    continue
+                s = timer(run)
+        except Exception as exc:  # noqa: BLE001
+            log.fail(row, exc)
+            continue
+        log.add(dict(row, ms=s * 1e3, gbs=moved / s / 1e9, pct_copy=100 * copy_s / s, speedup_vs_torch=torch_s / s))
 
 
 # -- output ---------------------------------------------------------------------
@@ -219,12 +236,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(_HERE, "results"))
     ap.add_argument("--tokens", type=int, nargs="+", help="context tokens (overrides the default list)")
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--reps", type=int, help="repetitions per timing (default 3 with --quick, else 20 GPU / 7 CPU)")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads (default 1: on a shared machine a descheduled worker thread "
                          "stalls every parallel op at its barrier)")
@@ -235,49 +253,49 @@ def main(argv=None) -> None:
     if device == "cpu":
         torch.set_num_threads(args.threads)
     try:
-        run(args, device)
+        return run(args, device)
     finally:
         torch.set_num_threads(threads)
 
 
-def run(args, device: str) -> None:
+FIELDS = ["format", "tokens", "block_size", "backend", "ms", "gbs", "pct_copy", "speedup_vs_torch", "bytes_moved"]
+
+
+def run(args, device: str) -> int:
     if args.tokens:
         sizes = args.tokens
     elif device == "cuda":
         sizes = [8192, 65536] if args.quick else [8192, 65536, 300_000]
     else:
         sizes = [8192] if args.quick else [8192, 65536]
-    reps = 3 if args.quick else (20 if device == "cuda" else 7)
-    timer = Timer(device, reps)
-    gen = torch.Generator().manual_seed(0)
-
-    rows = []
-    for B in (16, 64):
-        for fmt in args.formats:
-            for t in sizes:
-                rows += bench_one(fmt, t, B, device, timer, gen)
-                r = rows[-1]
-                print(f"  {fmt:<11} T={t:<7} B={B:<3} {r['backend']:<28} {r['gbs']:8.2f} GB/s", flush=True)
-
+    reps = args.reps or (3 if args.quick else (20 if device == "cuda" else 7))
     name = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} thread(s)"
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"gather_{device}")
-    fields = ["format", "tokens", "block_size", "backend", "ms", "gbs", "pct_copy", "speedup_vs_torch",
-              "bytes_moved"]
-    with open(stem + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields + ["device", "quick"])
-        w.writeheader()
-        for r in rows:
-            w.writerow({**{k: (f"{r[k]:.4g}" if isinstance(r[k], float) else r[k]) for k in fields},
-                        "device": name, "quick": args.quick})
-    plot(rows, stem + ".png", f"gather on {name}")
+    log = RowLog(stem + ".csv", FIELDS, dict(device=name, quick=args.quick, reps=reps))
+    interrupted = False
+    try:
+        timer = Timer(device, reps)
+        gen = torch.Generator().manual_seed(0)
+        for B in (16, 64):
+            for fmt in args.formats:
+                for t in sizes:
+                    bench_one(fmt, t, B, device, timer, gen, log)
+                    r = log.rows[-1]
+                    print(f"  {fmt:<11} T={t:<7} B={B:<3} {r['backend']:<28} "
+                          f"{r.get('gbs', float('nan')):8.2f} GB/s  {r['status']}", flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: reporting the rows measured so far", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        log.fail(dict(backend="run"), exc)
 
+    ok = log.ok()
     print(f"\n{'format':<11}{'tokens':>8}{'B':>4}  {'backend':<28}{'ms':>9}{'GB/s':>9}{'% copy':>8}{'vs torch':>9}")
-    for r in rows:
+    for r in ok:
         print(f"{r['format']:<11}{r['tokens']:>8}{r['block_size']:>4}  {r['backend']:<28}{r['ms']:>9.3f}"
               f"{r['gbs']:>9.2f}{r['pct_copy']:>7.0f}%{r['speedup_vs_torch']:>8.2f}x")
-    print(f"wrote {stem}.csv and {stem}.png")
+    return finish(log, interrupted, lambda rows: plot(rows, stem + ".png", f"gather on {name}"))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,13 +26,14 @@ Target (GPU, from the issue): mla_ext >= 1.5x the torch baseline and within
 
 Sizes: GPU C in 8K, 32K, 128K with Q = 2K (--quick: fp8_ds_mla only, which
 fits the GPU check's 2 minutes); CPU --quick: C in 1K, 4K with Q = 128.
-Results: DIR/prefill_<device>.csv and .png (default benchmarks/results/).
+Results: DIR/prefill_<device>.csv and .png (default benchmarks/results/); the CSV
+gets each case's rows as they are measured, and a case that fails or whose two
+outputs differ is a row with its status and error (the run goes on; exit status 1).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import math
 import os
 import sys
@@ -40,8 +41,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
+from bench_common import RowLog, finish  # noqa: E402
 from bench_gather import Timer, torch_baseline as torch_gather  # noqa: E402
 
 from mla_ext.kv_b_proj import weights as W  # noqa: E402
@@ -188,7 +191,10 @@ def best_steps(fn, device: str, reps: int) -> dict[str, float]:
     return best
 
 
-def bench_case(ctx: int, q_len: int, fmt: str, device: str, timer: Timer, peaks, reps: int) -> list[dict]:
+def bench_case(ctx: int, q_len: int, fmt: str, device: str, timer: Timer, peaks, reps: int,
+               log: RowLog) -> list[dict]:
+    """The three rows of one case (mla_ext, torch composed, roofline floor), added to
+    `log`; [] when the two outputs differ (then a mismatch row is added instead)."""
     m = model_config()
     # Layer 0 is skipped (native bf16 cache) when the case asks for "auto".
     cfg = CacheConfig("fp8_ds_mla", (0,) if fmt == "auto" else (), BLOCK)
@@ -209,7 +215,9 @@ def bench_case(ctx: int, q_len: int, fmt: str, device: str, timer: Timer, peaks,
     ref = torch_composed(layer, w_bf16, batch, cache, meta, gfmt, max_score_bytes=score_bytes)
     err = float((out.double() - ref.double()).norm() / ref.double().norm())
     if not math.isfinite(err) or err > 2e-2:
-        raise SystemExit(f"C={ctx} {fmt}: mla_ext and the torch baseline differ (rel err {err:.3g})")
+        log.fail(dict(kv_cache_dtype=fmt, context=ctx, new_tokens=q_len, impl="mla_ext", rel_err_vs_torch=err),
+                 f"mla_ext and the torch baseline differ (rel err {err:.3g} > 2e-2)", "mismatch")
+        return []
 
     ours_s = timer(lambda: layer(*args))
     base_s = timer(lambda: torch_composed(layer, w_bf16, batch, cache, meta, gfmt, max_score_bytes=score_bytes))
@@ -229,8 +237,8 @@ def bench_case(ctx: int, q_len: int, fmt: str, device: str, timer: Timer, peaks,
         return dict(common, impl=impl, ms=total * 1e3, **{f"{s}_ms": steps.get(s, 0.0) * 1e3 for s in STEPS},
                     speedup_vs_torch=base_s / total, x_roofline=total / floor_s)
 
-    return [row("mla_ext", ours_s, ours_steps), row("torch composed", base_s, base_steps),
-            row("roofline floor", floor_s, floor)]
+    return [log.add(row("mla_ext", ours_s, ours_steps)), log.add(row("torch composed", base_s, base_steps)),
+            log.add(row("roofline floor", floor_s, floor))]
 
 
 # -- output -------------------------------------------------------------------------------
@@ -269,10 +277,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> None:
+FIELDS = ["kv_cache_dtype", "context", "new_tokens", "heads", "kv_b_proj", "impl", "ms"] + \
+    [f"{s}_ms" for s in STEPS] + ["speedup_vs_torch", "x_roofline", "copy_gbs", "gemm_tflops", "rel_err_vs_torch"]
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(_HERE, "results"))
     ap.add_argument("--context", type=int, nargs="+", help="context tokens (overrides the default list)")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens (default 2048 GPU, 128 CPU)")
     ap.add_argument("--threads", type=int, default=1,
@@ -290,38 +302,41 @@ def main(argv=None) -> None:
     q_len = args.new_tokens or (2048 if device == "cuda" else 128)
     formats = ["fp8_ds_mla"] if args.quick else ["fp8_ds_mla", "auto"]
     reps = 3 if args.quick else (10 if device == "cuda" else 5)
-    timer = Timer(device, reps)
-    peaks = measure_peaks(device, timer)
-    print(f"peaks measured here: copy {peaks[0]:.1f} GB/s, bf16 GEMM {peaks[1]:.2f} TFLOP/s", flush=True)
-
-    rows = []
-    from mla_ext.attention.api import ATTENTION
-
-    for fmt in formats:
-        for ctx in contexts:
-            # The CPU runs attention through the torch backend (the Triton
-            # interpreter measures Python, not a kernel).
-            with (ATTENTION.force("torch") if device == "cpu" else contextlib.nullcontext()):
-                rows += bench_case(ctx, q_len, fmt, device, timer, peaks, reps)
-            ours, base, floor = rows[-3:]
-            print(f"  {fmt:<11} ctx {ctx:>7} new {q_len}: mla_ext {ours['ms']:9.3f} ms, torch {base['ms']:9.3f} ms "
-                  f"({ours['speedup_vs_torch']:.2f}x), roofline {floor['ms']:8.3f} ms "
-                  f"({ours['x_roofline']:.2f}x of it)", flush=True)
-
     name = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} thread(s)"
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"prefill_{device}")
-    fields = ["kv_cache_dtype", "context", "new_tokens", "heads", "kv_b_proj", "impl", "ms"] + \
-             [f"{s}_ms" for s in STEPS] + ["speedup_vs_torch", "x_roofline", "copy_gbs", "gemm_tflops",
-                                           "rel_err_vs_torch"]
-    with open(stem + ".csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=fields + ["device", "quick"])
-        wr.writeheader()
-        for r in rows:
-            wr.writerow({**{k: (f"{r[k]:.4g}" if isinstance(r[k], float) else r[k]) for k in fields},
-                         "device": name, "quick": args.quick})
-    plot(rows, stem + ".png", f"one MLA layer, DeepSeek-V3 TP8 ({HEADS} heads), {q_len} new tokens\n{name}")
+    log = RowLog(stem + ".csv", FIELDS, dict(device=name, quick=args.quick))
+    interrupted = False
+    try:
+        timer = Timer(device, reps)
+        try:
+            peaks = measure_peaks(device, timer)
+        except Exception as exc:  # noqa: BLE001 - no roofline, but the comparison with torch still stands
+            log.fail(dict(impl="peaks"), exc)
+            peaks = (float("nan"), float("nan"))
+        print(f"peaks measured here: copy {peaks[0]:.1f} GB/s, bf16 GEMM {peaks[1]:.2f} TFLOP/s", flush=True)
 
+        from mla_ext.attention.api import ATTENTION
+
+        for fmt in formats:
+            for ctx in contexts:
+                try:
+                    # The CPU runs attention through the torch backend (the Triton
+                    # interpreter measures Python, not a kernel).
+                    with (ATTENTION.force("torch") if device == "cpu" else contextlib.nullcontext()):
+                        case = bench_case(ctx, q_len, fmt, device, timer, peaks, reps, log)
+                except Exception as exc:  # noqa: BLE001 - the next case may still run
+                    log.fail(dict(kv_cache_dtype=fmt, context=ctx, new_tokens=q_len, impl="mla_ext"), exc)
+                    continue
+                if case:
+                    ours, base, floor = case
+                    print(f"  {fmt:<11} ctx {ctx:>7} new {q_len}: mla_ext {ours['ms']:9.3f} ms, torch "
+                          f"{base['ms']:9.3f} ms ({ours['speedup_vs_torch']:.2f}x), roofline {floor['ms']:8.3f} ms "
+                          f"({ours['x_roofline']:.2f}x of it)", flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: reporting the cases measured so far", flush=True)
+
+    rows = log.ok()
     print(f"\n{'cache':<11}{'context':>8}  {'impl':<15}{'ms':>10}" + "".join(f"{s:>11}" for s in STEPS)
           + f"{'vs torch':>10}{'x floor':>9}")
     for r in rows:
@@ -335,8 +350,9 @@ def main(argv=None) -> None:
             ok = r["speedup_vs_torch"] >= TARGET_SPEEDUP and r["x_roofline"] <= TARGET_ROOFLINE
             print(f"  {r['kv_cache_dtype']:<11} ctx {r['context']:>7}: {r['speedup_vs_torch']:.2f}x torch, "
                   f"{r['x_roofline']:.2f}x roofline -> {'met' if ok else 'NOT met'}")
-    print(f"wrote {stem}.csv and {stem}.png")
+    title = f"one MLA layer, DeepSeek-V3 TP8 ({HEADS} heads), {q_len} new tokens\n{name}"
+    return finish(log, interrupted, lambda ok: plot(ok, stem + ".png", title))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

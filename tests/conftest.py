@@ -18,6 +18,31 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# -- HYPOTHESIS_PROFILE=memcheck (benchmarks/gpu_check.sh) --------------------
+# The compiled ops' CUDA tests run under compute-sanitizer, many times slower:
+# a few derandomized examples per property test, also where a test's own
+# @settings asks for more (pytest_itemcollected lowers it; hypothesis reads the
+# wrapped test's settings when the test is called).
+MEMCHECK_MAX_EXAMPLES = 3
+try:
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("memcheck", derandomize=True, deadline=None, print_blob=True,
+                                   max_examples=MEMCHECK_MAX_EXAMPLES)
+except ImportError:  # pragma: no cover
+    _hyp_settings = None
+
+
+def pytest_itemcollected(item):
+    if _hyp_settings is None or os.environ.get("HYPOTHESIS_PROFILE") != "memcheck":
+        return
+    test = getattr(item, "obj", None)
+    own = getattr(test, "_hypothesis_internal_use_settings", None)
+    if own is not None and own.max_examples > MEMCHECK_MAX_EXAMPLES:
+        test._hypothesis_internal_use_settings = _hyp_settings(own, max_examples=MEMCHECK_MAX_EXAMPLES)
+# -- end of the memcheck profile ------------------------------------------------
+
+
 try:
     from hypothesis import settings
 

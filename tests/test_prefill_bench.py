@@ -1,6 +1,8 @@
 """The prefill benchmark's torch-composed baseline computes the same layer as
 MLAPrefill (several chunks, a request without context, both cache kinds), so
-its speed-up numbers compare like with like."""
+its speed-up numbers compare like with like; a failing or mismatching case is a
+row of the CSV and the run goes on."""
+import csv
 import importlib.util
 import math
 import os
@@ -47,3 +49,28 @@ def test_torch_composed_baseline_equals_layer(bench, skip):
     assert meta.plan(layer.workspace_rows, layer.chunk_alignment).num_chunks >= 2
     err = float((got.double() - want.double()).norm() / want.double().norm())
     assert err < 1e-2 and not torch.isnan(got).any()
+
+
+def test_failing_and_mismatching_cases_are_rows(bench, tmp_path, monkeypatch):
+    real = bench.bench_case
+
+    def case(ctx, *a, **k):
+        if ctx == 96:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(ctx, *a, **k)
+
+    monkeypatch.setattr(bench, "bench_case", case)
+    monkeypatch.setattr(bench, "measure_peaks", lambda device, timer: (10.0, 0.1))
+    rc = bench.main(["--quick", "--context", "96", "64", "--new-tokens", "8", "--out", str(tmp_path)])
+    assert rc == 1
+    rows = list(csv.DictReader(open(tmp_path / "prefill_cpu.csv")))
+    assert [(r["context"], r["impl"], r["status"]) for r in rows] == [
+        ("96", "mla_ext", "error"), ("64", "mla_ext", "ok"), ("64", "torch composed", "ok"),
+        ("64", "roofline floor", "ok")]
+    assert "RuntimeError: CUDA error: an illegal memory access" in rows[0]["error"]
+
+    monkeypatch.setattr(bench, "torch_composed", lambda *a, **k: torch.zeros(8, 16, 128, dtype=torch.bfloat16))
+    rc = bench.main(["--quick", "--context", "64", "--new-tokens", "8", "--out", str(tmp_path)])
+    rows = list(csv.DictReader(open(tmp_path / "prefill_cpu.csv")))
+    assert rc == 1 and [(r["impl"], r["status"]) for r in rows] == [("mla_ext", "mismatch")]
+    assert "differ (rel err" in rows[0]["error"]
