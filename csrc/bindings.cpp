@@ -10,7 +10,11 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cfloat>
+#include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/cache_layout.h"
@@ -50,24 +54,105 @@ CacheFormat parse_format_or_throw(const std::string& name, const char* arg) {
   return f;
 }
 
+// -- Memory overlap ---------------------------------------------------------
+// An op must not write memory it also reads through another argument (nor
+// write one location twice). The rules are exact for the layouts the ops take
+// and conservative otherwise (mla_ext/cache/checks.py has the same rules for
+// the Python API): every stride is >= 0 (torch has no negative strides).
+
+// True unless the elements of `t` provably occupy distinct addresses: the
+// dims of size > 1, by increasing stride, must each step past everything the
+// smaller ones reach (an expand()ed dim has stride 0 and always fails).
+bool may_self_overlap(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // the largest element offset reached so far
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return true;  // stride 0 included
+    reach += (size - 1) * stride;
+  }
+  return false;
+}
+
+// True unless `a` and `b` provably share no byte. Disjoint byte spans never
+// overlap. Otherwise each tensor is a set of runs (its unit-stride last dim,
+// or single elements) placed at multiples of its other strides; with P the
+// gcd of all those strides (bytes) of both tensors, every byte of `a` sits at
+// a residue in [a0, a0 + run_a) mod P and every byte of `b` in
+// [b0, b0 + run_b) mod P, so disjoint residue ranges mean disjoint tensors:
+// exact for column slices of one buffer and for interleaved rows.
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) return false;
+  int64_t period = 0;
+  const auto span_and_run = [&period](const at::Tensor& t, int64_t* lo, int64_t* hi) {
+    const int64_t e = t.element_size();
+    const int64_t last = t.dim() - 1;
+    const bool inner = last >= 0 && t.size(last) > 1 && t.stride(last) == 1;
+    int64_t reach = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (t.size(d) <= 1) continue;
+      reach += (t.size(d) - 1) * t.stride(d);
+      if (!(inner && d == last)) period = std::gcd(period, t.stride(d) * e);
+    }
+    *lo = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()));
+    *hi = *lo + (reach + 1) * e;
+    return inner ? t.size(last) * e : e;
+  };
+  int64_t a_lo, a_hi, b_lo, b_hi;
+  const int64_t run_a = span_and_run(a, &a_lo, &a_hi);
+  const int64_t run_b = span_and_run(b, &b_lo, &b_hi);
+  if (a_hi <= b_lo || b_hi <= a_lo) return false;
+  if (period == 0) return true;  // two single runs whose spans intersect
+  const int64_t d = ((b_lo - a_lo) % period + period) % period;
+  return !(run_a <= d && d + run_b <= period);
+}
+
+bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         a.scalar_type() == b.scalar_type();
+}
+
+void check_no_self_overlap(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_VALUE(!may_self_overlap(t), arg, ": its elements overlap in memory (sizes ", t.sizes(),
+                    ", strides ", t.strides(), "); expected a tensor whose elements are distinct, ",
+                    "not an expand()ed or self-overlapping view");
+}
+
+// `written` (an output) against `read` (an input); `in_place`: the very same
+// view is allowed (the kernel reads each row before writing it).
+void check_no_overlap(const at::Tensor& written, const char* w_arg, const at::Tensor& read,
+                      const char* r_arg, bool in_place = false) {
+  if (in_place && same_view(written, read)) return;
+  TORCH_CHECK_VALUE(!may_overlap(written, read), w_arg, " and ", r_arg,
+                    ": share memory (the op writes ", w_arg, " while it reads ", r_arg,
+                    "); expected separate memory", in_place ? std::string(" or exactly the same view") : "");
+}
+
 // ---------------------------------------------------------------------------
 // Build facts and the format registry (foundation)
 // ---------------------------------------------------------------------------
 
 // [format_id, bytes_per_token, quant_mode, scale_kind, storage_elem_bytes,
 //  entry_elems]; bytes_per_token is -1 when the format cannot hold (L, R).
+// L and R stay int64 (a cast to int once made L = 2^32 + 512 look like 512);
+// beyond +-2^40 the int64 byte counts could overflow, so those are refused.
 std::vector<int64_t> format_info(const std::string& kv_cache_dtype, int64_t L, int64_t R,
                                  int64_t model_elem_bytes) {
+  constexpr int64_t kMaxDim = int64_t{1} << 40;
   TORCH_CHECK_VALUE(model_elem_bytes == 2 || model_elem_bytes == 4,
                     "model_elem_bytes: expected 2 or 4, got ", model_elem_bytes);
+  TORCH_CHECK_VALUE(L >= -kMaxDim && L <= kMaxDim, "L: expected a value in [-2^40, 2^40], got ", L);
+  TORCH_CHECK_VALUE(R >= -kMaxDim && R <= kMaxDim, "R: expected a value in [-2^40, 2^40], got ", R);
   const CacheFormat f = parse_format_or_throw(kv_cache_dtype, "kv_cache_dtype");
-  const int l = static_cast<int>(L), r = static_cast<int>(R), e = static_cast<int>(model_elem_bytes);
+  const int e = static_cast<int>(model_elem_bytes);
   return {static_cast<int64_t>(f),
-          bytes_per_token(f, l, r, e),
+          bytes_per_token(f, L, R, e),
           static_cast<int64_t>(quant_mode(f)),
           static_cast<int64_t>(scale_kind(f)),
           storage_elem_bytes(f, e),
-          entry_elems(f, l, r, e)};
+          entry_elems(f, L, R, e)};
 }
 
 // fp8_ds_mla byte offsets as the kernels see them.
@@ -169,12 +254,24 @@ void check_cache_dtype(const at::Tensor& c, CacheFormat f, const char* arg) {
   }
 }
 
+// k_scale is on the cache's device for every format (all tensor arguments of
+// an op share one device, even one the format ignores). Its value must be
+// finite and > 0 (SPEC §2): a CPU scale is read and checked here; a device
+// scale is not (reading it would sync the host, and the ops never do), and
+// the kernels turn an invalid one into NaN output (cache_kernels.h). The
+// public API checks a device scale with validate=True.
 const float* k_scale_ptr(const at::Tensor& k_scale, CacheFormat f, const at::Tensor& cache) {
+  check_same_device(k_scale, cache, "k_scale");
   if (quant_mode(f) != QuantMode::kFp8PerTensor) return nullptr;
   TORCH_CHECK_VALUE(k_scale.scalar_type() == at::kFloat && k_scale.numel() == 1,
                     "k_scale: expected a float32 tensor with 1 element, got ", k_scale.scalar_type(),
                     " of shape ", k_scale.sizes());
-  check_same_device(k_scale, cache, "k_scale");
+  if (k_scale.is_cpu()) {
+    const float v = *k_scale.data_ptr<float>();
+    TORCH_CHECK_VALUE(v > 0.0f && v <= FLT_MAX, "k_scale: expected a finite value > 0, got ", v,
+                      " (a CPU scale is checked here; a device scale is not read on the host, and an "
+                      "invalid one makes every dequantized or stored value NaN)");
+  }
   return k_scale.data_ptr<float>();
 }
 
@@ -208,6 +305,11 @@ cache::GatherParams gather_params(const at::Tensor& src_cache, const at::Tensor&
   TORCH_CHECK_VALUE(dst.stride(0) >= 0, "dst: negative strides are not supported");
   TORCH_CHECK_VALUE(dst.size(0) < INT32_MAX, "dst: too many rows");
   check_same_device(dst, src_cache, "dst");
+  check_no_self_overlap(dst, "dst");
+  check_no_overlap(dst, "dst", src_cache, "src_cache");
+  check_no_overlap(dst, "dst", block_table, "block_table");
+  check_no_overlap(dst, "dst", cu_seq_lens, "cu_seq_lens");
+  if (seq_starts.has_value()) check_no_overlap(dst, "dst", *seq_starts, "seq_starts");
 
   cache::GatherParams p{};
   p.cache = static_cast<const uint8_t*>(src_cache.data_ptr());
@@ -218,7 +320,7 @@ cache::GatherParams gather_params(const at::Tensor& src_cache, const at::Tensor&
   p.dst = static_cast<uint8_t*>(dst.data_ptr());
   p.dst_row_stride = dst.stride(0) * dst.element_size();
   p.dst_rows = static_cast<int32_t>(dst.size(0));
-  p.width = static_cast<int32_t>(dst.size(1));
+  p.width = dst.size(1);
   p.dst_type = cache_elem_type(dst);
   p.block_table = block_table.data_ptr<int32_t>();
   p.bt_row_stride = block_table.stride(0);
@@ -226,7 +328,7 @@ cache::GatherParams gather_params(const at::Tensor& src_cache, const at::Tensor&
   p.cu_seq_lens = cu_seq_lens.data_ptr<int32_t>();
   p.seq_starts = seq_starts.has_value() ? seq_starts->data_ptr<int32_t>() : nullptr;
   p.num_reqs = static_cast<int32_t>(num_reqs);
-  p.row_bytes = static_cast<int32_t>(dst.size(1) * dst.element_size());
+  p.row_bytes = dst.size(1) * dst.element_size();
   return p;
 }
 
@@ -254,7 +356,9 @@ cache::GatherParams dequant_gather_params(const at::Tensor& src_cache, const at:
                       "dst: fp8_ds_mla dequantizes to ", ds_mla::kLatentDim + ds_mla::kRopeDim,
                       " (R=64) or ", ds_mla::kLatentDim, " (R=0) columns, got ", dst.size(1));
   }
+  check_no_overlap(dst, "dst", k_scale, "k_scale");
   if (raw) {
+    check_same_device(k_scale, src_cache, "k_scale");
     p.kind = cache::GatherKind::kRaw;
   } else {
     p.kind = f == CacheFormat::kFp8DsMla ? cache::GatherKind::kFp8DsMla
@@ -296,10 +400,10 @@ cache::WriteParams write_params(const at::Tensor& kv_c, const at::Tensor& k_pe, 
   TORCH_CHECK_VALUE(k_pe.scalar_type() == kv_c.scalar_type(), "k_pe: expected dtype ",
                     kv_c.scalar_type(), " (as kv_c), got ", k_pe.scalar_type());
   const int64_t L = kv_c.size(1), R = k_pe.size(1);
-  TORCH_CHECK_VALUE(supports_dims(f, static_cast<int>(L), static_cast<int>(R)), "kv_c, k_pe: format '",
-                    kv_cache_dtype, "' cannot hold L=", L, ", R=", R);
-  TORCH_CHECK_VALUE(kv_cache.size(2) == entry_elems(f, static_cast<int>(L), static_cast<int>(R), 2),
-                    "kv_cache: expected entry width ", entry_elems(f, static_cast<int>(L), static_cast<int>(R), 2),
+  TORCH_CHECK_VALUE(supports_dims(f, L, R), "kv_c, k_pe: format '", kv_cache_dtype, "' cannot hold L=", L,
+                    ", R=", R);
+  TORCH_CHECK_VALUE(kv_cache.size(2) == entry_elems(f, L, R, 2),
+                    "kv_cache: expected entry width ", entry_elems(f, L, R, 2),
                     " for L=", L, ", R=", R, ", got ", kv_cache.size(2));
   TORCH_CHECK_VALUE(is_quantized(f) || kv_c.scalar_type() == kv_cache.scalar_type(), "kv_c: a native ",
                     kv_cache.scalar_type(), " cache takes ", kv_cache.scalar_type(), " inputs, got ",
@@ -312,6 +416,11 @@ cache::WriteParams write_params(const at::Tensor& kv_c, const at::Tensor& k_pe, 
                     "slot_mapping: expected a contiguous tensor");
   check_same_device(slot_mapping, kv_cache, "slot_mapping");
   TORCH_CHECK_VALUE(kv_c.size(0) < INT32_MAX, "kv_c: too many tokens");
+  check_no_self_overlap(kv_cache, "kv_cache");
+  check_no_overlap(kv_cache, "kv_cache", kv_c, "kv_c");
+  check_no_overlap(kv_cache, "kv_cache", k_pe, "k_pe");
+  check_no_overlap(kv_cache, "kv_cache", slot_mapping, "slot_mapping");
+  check_no_overlap(kv_cache, "kv_cache", k_scale, "k_scale");
 
   cache::WriteParams p{};
   p.kv_c = static_cast<const uint8_t*>(kv_c.data_ptr());
@@ -320,8 +429,8 @@ cache::WriteParams write_params(const at::Tensor& kv_c, const at::Tensor& k_pe, 
   p.k_pe_row_stride = k_pe.stride(0) * k_pe.element_size();
   p.in_type = cache_elem_type(kv_c);
   p.num_tokens = static_cast<int32_t>(kv_c.size(0));
-  p.L = static_cast<int32_t>(L);
-  p.R = static_cast<int32_t>(R);
+  p.L = L;
+  p.R = R;
   p.cache = static_cast<uint8_t*>(kv_cache.data_ptr());
   p.block_stride = kv_cache.stride(0) * kv_cache.element_size();
   p.entry_stride = kv_cache.stride(1) * kv_cache.element_size();
@@ -349,6 +458,7 @@ cache::KvScaleParams kv_scale_params(const at::Tensor& kv_c, const at::Tensor& k
     TORCH_CHECK_VALUE(t->size(1) <= 1 || t->stride(1) == 1, name, ": the last dim must be contiguous");
     check_same_device(*t, kv_c, name);
   }
+  TORCH_CHECK_VALUE(kv_c.size(0) < INT32_MAX, "kv_c: too many tokens");
   *out = at::empty({1}, kv_c.options().dtype(at::kFloat));
   cache::KvScaleParams p{};
   p.kv_c = static_cast<const uint8_t*>(kv_c.data_ptr());
@@ -357,8 +467,8 @@ cache::KvScaleParams kv_scale_params(const at::Tensor& kv_c, const at::Tensor& k
   p.k_pe_row_stride = k_pe.stride(0) * k_pe.element_size();
   p.in_type = cache_elem_type(kv_c);
   p.num_tokens = static_cast<int32_t>(kv_c.size(0));
-  p.L = static_cast<int32_t>(kv_c.size(1));
-  p.R = static_cast<int32_t>(k_pe.size(1));
+  p.L = kv_c.size(1);
+  p.R = k_pe.size(1);
   p.fp8_max = f == CacheFormat::kFp8E5M2 ? kE5M2Max : kE4M3Max;
   p.out = out->data_ptr<float>();
   return p;
@@ -738,6 +848,21 @@ MergeParams merge_params(at::Tensor& output, const std::optional<at::Tensor>& ou
   check_lse(prefix_lse, "prefix_lse");
   check_lse(suffix_lse, "suffix_lse");
   if (output_lse.has_value()) check_lse(*output_lse, "output_lse");
+  // Outputs may be exactly an input of their kind (in-place merge), never a
+  // shifted or partial view of any input, nor overlap each other.
+  check_no_self_overlap(output, "output");
+  check_no_overlap(output, "output", prefix_output, "prefix_output", /*in_place=*/true);
+  check_no_overlap(output, "output", suffix_output, "suffix_output", /*in_place=*/true);
+  check_no_overlap(output, "output", prefix_lse, "prefix_lse");
+  check_no_overlap(output, "output", suffix_lse, "suffix_lse");
+  if (output_lse.has_value()) {
+    check_no_self_overlap(*output_lse, "output_lse");
+    check_no_overlap(*output_lse, "output_lse", prefix_lse, "prefix_lse", /*in_place=*/true);
+    check_no_overlap(*output_lse, "output_lse", suffix_lse, "suffix_lse", /*in_place=*/true);
+    check_no_overlap(*output_lse, "output_lse", prefix_output, "prefix_output");
+    check_no_overlap(*output_lse, "output_lse", suffix_output, "suffix_output");
+    check_no_overlap(*output_lse, "output_lse", output, "output");
+  }
 
   MergeParams p{};
   switch (output.scalar_type()) {

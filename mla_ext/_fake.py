@@ -5,7 +5,30 @@ never touch data. Ops that only mutate their arguments return None.
 """
 from __future__ import annotations
 
-import torch  # noqa: F401
+import torch
+
+
+def _one_device(op: str, **tensors) -> None:
+    """Every tensor argument on one device, as the real kernels require.
+
+    A meta tensor mixed with real ones makes the dispatcher pick these fake
+    kernels (Meta outranks CPU/CUDA), so without this check such a call would
+    silently compute nothing (marlin_fp8_gemm returned an unwritten meta
+    tensor). Under torch.compile fake tensors report their real device, so a
+    consistent call passes.
+    """
+    devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devices.values())) <= 1:
+        return
+    # Blame the odd one out against the first real (non-meta) device.
+    ref_name, ref = next(((n, d) for n, d in devices.items() if d.type != "meta"), next(iter(devices.items())))
+    for name, dev in devices.items():
+        if dev != ref:
+            raise ValueError(
+                f"{name}: expected device {ref} (as {ref_name}), got {dev}; "
+                f"mla_ext::{op} takes all its tensors on one device"
+            )
+
 
 # Per-stage sections are added as ops arrive; the foundation ops take no tensors.
 
@@ -14,6 +37,8 @@ import torch  # noqa: F401
 
 @torch.library.register_fake("mla_ext::concat_and_cache_mla")
 def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
+    _one_device("concat_and_cache_mla", kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping,
+                k_scale=k_scale)
     return None  # writes kv_cache in place
 
 
@@ -21,16 +46,21 @@ def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtyp
 def _gather_and_maybe_dequant_cache_fake(
     src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale, seq_starts=None
 ):
+    _one_device("gather_and_maybe_dequant_cache", src_cache=src_cache, dst=dst, block_table=block_table,
+                cu_seq_lens=cu_seq_lens, k_scale=k_scale, seq_starts=seq_starts)
     return None  # writes dst in place
 
 
 @torch.library.register_fake("mla_ext::cp_gather_cache")
 def _cp_gather_cache_fake(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts=None):
+    _one_device("cp_gather_cache", src_cache=src_cache, dst=dst, block_table=block_table,
+                cu_seq_lens=cu_seq_lens, seq_starts=seq_starts)
     return None  # writes dst in place
 
 
 @torch.library.register_fake("mla_ext::compute_kv_scale")
 def _compute_kv_scale_fake(kv_c, k_pe, kv_cache_dtype):
+    _one_device("compute_kv_scale", kv_c=kv_c, k_pe=k_pe)
     return kv_c.new_empty((1,), dtype=torch.float32)
 
 
@@ -43,6 +73,7 @@ def _marlin_padded_n(n):
 
 @torch.library.register_fake("mla_ext::marlin_fp8_repack")
 def _marlin_fp8_repack_fake(w_fp8, scales, group_size, act_dtype):
+    _one_device("marlin_fp8_repack", w_fp8=w_fp8, scales=scales)
     n, k = w_fp8.shape
     groups = k // 128 if group_size > 0 else 1
     qweight = w_fp8.new_empty((_marlin_padded_n(n) // 64, 16 * k), dtype=torch.int32)
@@ -51,11 +82,13 @@ def _marlin_fp8_repack_fake(w_fp8, scales, group_size, act_dtype):
 
 @torch.library.register_fake("mla_ext::marlin_fp8_dequantize")
 def _marlin_fp8_dequantize_fake(qweight, scales, N, K, group_size, act_dtype):
+    _one_device("marlin_fp8_dequantize", qweight=qweight, scales=scales)
     return scales.new_empty((N, K), dtype=torch.float32)
 
 
 @torch.library.register_fake("mla_ext::marlin_fp8_gemm")
 def _marlin_fp8_gemm_fake(a, qweight, scales, N, K, group_size, act_dtype, out_dtype=None):
+    _one_device("marlin_fp8_gemm", a=a, qweight=qweight, scales=scales)
     return a.new_empty((a.shape[0], N), dtype=out_dtype or act_dtype)
 
 
@@ -64,5 +97,7 @@ def _marlin_fp8_gemm_fake(a, qweight, scales, N, K, group_size, act_dtype, out_d
 
 @torch.library.register_fake("mla_ext::merge_attn_states")
 def _merge_attn_states_fake(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse):
+    _one_device("merge_attn_states", output=output, output_lse=output_lse, prefix_output=prefix_output,
+                prefix_lse=prefix_lse, suffix_output=suffix_output, suffix_lse=suffix_lse)
     # Mutates `output` (and `output_lse` when given) in place; returns nothing.
     return None

@@ -1,4 +1,5 @@
-"""fp8 decoding inside Triton kernels without fp8 types.
+"""Helpers shared by the Triton kernels: fp8 decoding without fp8 types, and
+the device guard every launch runs under.
 
 Triton's fp8e4nv type exists only on sm_89+ (on sm_86 compiling a kernel that
 loads or converts it fails: "type fp8e4nv not supported in this
@@ -8,8 +9,21 @@ interpreter). Shared by the cache gather and the NVFP4 kv_b_proj kernel.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def launch_guard(t: torch.Tensor):
+    """Context manager to wrap a Triton launch on `t`'s tensors.
+
+    Triton launches on the *current* CUDA device and its current stream, so
+    tensors on cuda:1 while cuda:0 is current would run on the wrong device.
+    This makes t's device current for the launch; for CPU tensors (the
+    interpreter) it is `torch.cuda.device(-1)`, a no-op that never
+    initialises CUDA.
+    """
+    return torch.cuda.device(t.device if t.device.type == "cuda" else -1)
 
 
 @triton.jit

@@ -6,7 +6,8 @@ import torch
 from mla_ext import _ext
 from mla_ext.formats import ALL_NAMES, DsMla, get_format
 
-DIMS = [(512, 64), (512, 0), (256, 64), (128, 32)]
+# The last two are past int32: C++ must not wrap them into supported dims.
+DIMS = [(512, 64), (512, 0), (256, 64), (128, 32), (2**32 + 512, 64), (512, 2**31)]
 MODEL_DTYPE_BY_SIZE = {2: torch.bfloat16, 4: torch.float32}
 
 

@@ -29,7 +29,7 @@ struct OutF32 {
   static T from(float x) { return x; }
 };
 
-inline float load_f32(const uint8_t* row, ElemType t, int i) {
+inline float load_f32(const uint8_t* row, ElemType t, int64_t i) {
   switch (t) {
     case ElemType::kBF16: {
       uint16_t h;
@@ -77,8 +77,8 @@ void gather_raw(const GatherParams& p) {
   for (int64_t t = lo; t < hi; ++t) {
     const uint8_t* src = gather_source_row(p, t);
     uint8_t* dst = p.dst + t * p.dst_row_stride;
-    if (src) std::memcpy(dst, src, p.row_bytes);
-    else std::memset(dst, 0, p.row_bytes);
+    if (src) std::memcpy(dst, src, static_cast<size_t>(p.row_bytes));
+    else std::memset(dst, 0, static_cast<size_t>(p.row_bytes));
   }
 }
 
@@ -86,20 +86,20 @@ template <class Out>
 void gather_per_tensor(const GatherParams& p, const float* decode) {
   using T = typename Out::T;
   T lut[256];  // decode(b) * scale, already rounded to the output type
-  const float scale = *p.k_scale;
+  const float scale = checked_k_scale(*p.k_scale);
   for (int b = 0; b < 256; ++b) lut[b] = Out::from(decode[b] * scale);
   int64_t lo, hi;
   gather_row_range(p, &lo, &hi);
-  const int w = p.width;
+  const int64_t w = p.width;
 #pragma omp parallel for schedule(static)
   for (int64_t t = lo; t < hi; ++t) {
     const uint8_t* src = gather_source_row(p, t);
     T* dst = reinterpret_cast<T*>(p.dst + t * p.dst_row_stride);
     if (!src) {
-      std::memset(dst, 0, sizeof(T) * w);
+      std::memset(dst, 0, sizeof(T) * static_cast<size_t>(w));
       continue;
     }
-    for (int i = 0; i < w; ++i) dst[i] = lut[src[i]];
+    for (int64_t i = 0; i < w; ++i) dst[i] = lut[src[i]];
   }
 }
 
@@ -109,13 +109,13 @@ void gather_ds_mla(const GatherParams& p) {
   const float* dec = tables().e4m3;
   int64_t lo, hi;
   gather_row_range(p, &lo, &hi);
-  const int rope = p.width - ds_mla::kLatentDim;  // 64 or 0
+  const int64_t rope = p.width - ds_mla::kLatentDim;  // 64 or 0
 #pragma omp parallel for schedule(static)
   for (int64_t t = lo; t < hi; ++t) {
     const uint8_t* src = gather_source_row(p, t);
     T* dst = reinterpret_cast<T*>(p.dst + t * p.dst_row_stride);
     if (!src) {
-      std::memset(dst, 0, sizeof(T) * p.width);
+      std::memset(dst, 0, sizeof(T) * static_cast<size_t>(p.width));
       continue;
     }
     float scales[ds_mla::kNumTiles];
@@ -127,7 +127,7 @@ void gather_ds_mla(const GatherParams& p) {
       for (int i = 0; i < ds_mla::kTileSize; ++i) d[i] = Out::from(dec[q[i]] * s);
     }
     const uint8_t* pe = src + ds_mla::kRopeOffset;
-    for (int i = 0; i < rope; ++i) {
+    for (int64_t i = 0; i < rope; ++i) {
       uint16_t h;
       std::memcpy(&h, pe + 2 * i, 2);
       dst[ds_mla::kLatentDim + i] = Out::from(fp8::bf16_bits_to_f32(h));
@@ -145,11 +145,11 @@ void gather_dequant(const GatherParams& p) {
 }
 
 void write_row_per_tensor(const WriteParams& p, int64_t t, uint8_t* dst) {
-  const float scale = *p.k_scale;
+  const float scale = checked_k_scale(*p.k_scale);
   const bool e4m3 = p.format == CacheFormat::kFp8E4M3;
   const uint8_t* kv = p.kv_c + t * p.kv_c_row_stride;
   const uint8_t* pe = p.k_pe + t * p.k_pe_row_stride;
-  for (int i = 0; i < p.L + p.R; ++i) {
+  for (int64_t i = 0; i < p.L + p.R; ++i) {
     const float x = i < p.L ? load_f32(kv, p.in_type, i) : load_f32(pe, p.in_type, i - p.L);
     dst[i] = e4m3 ? fp8::encode_e4m3_sat(x / scale) : fp8::encode_e5m2_sat(x / scale);
   }
@@ -176,7 +176,7 @@ void write_row_ds_mla(const WriteParams& p, int64_t t, uint8_t* dst) {
     return;
   }
   const uint8_t* pe = p.k_pe + t * p.k_pe_row_stride;
-  for (int i = 0; i < p.R; ++i) {
+  for (int64_t i = 0; i < p.R; ++i) {
     const uint16_t h = p.in_type == ElemType::kBF16
                            ? static_cast<uint16_t>(pe[2 * i] | (pe[2 * i + 1] << 8))
                            : fp8::f32_to_bf16_bits(load_f32(pe, p.in_type, i));
@@ -204,7 +204,7 @@ void write_cpu(const WriteParams& p) {
     switch (quant_mode(p.format)) {
       case QuantMode::kNone:
         std::memcpy(dst, p.kv_c + t * p.kv_c_row_stride, static_cast<size_t>(p.L) * eb);
-        std::memcpy(dst + static_cast<int64_t>(p.L) * eb, p.k_pe + t * p.k_pe_row_stride,
+        std::memcpy(dst + p.L * eb, p.k_pe + t * p.k_pe_row_stride,
                     static_cast<size_t>(p.R) * eb);
         break;
       case QuantMode::kFp8PerTensor: write_row_per_tensor(p, t, dst); break;
@@ -219,7 +219,7 @@ void kv_scale_cpu(const KvScaleParams& p) {
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     const uint8_t* kv = p.kv_c + t * p.kv_c_row_stride;
     const uint8_t* pe = p.k_pe + t * p.k_pe_row_stride;
-    for (int i = 0; i < p.L + p.R; ++i) {
+    for (int64_t i = 0; i < p.L + p.R; ++i) {
       const float a = std::fabs(i < p.L ? load_f32(kv, p.in_type, i) : load_f32(pe, p.in_type, i - p.L));
       if (std::isfinite(a)) amax = std::max(amax, a);  // non-finite values are ignored
     }

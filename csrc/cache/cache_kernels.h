@@ -7,11 +7,22 @@
 // outside [0, num_blocks) is written as zero, and nothing is read for it; a
 // written token whose slot is negative or >= num_blocks * block_size is
 // skipped. block_table is never read past `bt_width` columns.
+//
+// Sizes and offsets are 64-bit: a row may hold 2^31 or more bytes (an int32
+// row size once went negative and the zero-row memset crashed). Only counts
+// that the bindings bound below INT32_MAX (rows, tokens, blocks) are int32.
+//
+// k_scale (per-tensor formats) must be finite and > 0. The bindings check a
+// CPU scale on the host; a device scale is never read on the host (the ops
+// must not sync), so every kernel passes it through `checked_k_scale`: an
+// invalid scale makes every dequantized (gather) or stored (write) value NaN,
+// never a plausible zero, saturated or sign-flipped row.
 #pragma once
 
 #include <cstdint>
 
 #include "common/cache_layout.h"
+#include "common/fp8.h"
 
 namespace mla_ext {
 namespace cache {
@@ -37,11 +48,11 @@ struct GatherParams {
   int64_t entry_stride;       // bytes
   int32_t num_blocks;
   int32_t block_size;
-  int32_t row_bytes;          // raw: bytes copied per row (= width * element size)
+  int64_t row_bytes;          // raw: bytes copied per row (= width * element size)
   uint8_t* dst;               // row i at dst + i*dst_row_stride
   int64_t dst_row_stride;     // bytes
   int32_t dst_rows;           // dst.size(0): rows at or past it are never written
-  int32_t width;              // dst.size(1) in elements
+  int64_t width;              // dst.size(1) in elements
   ElemType dst_type;          // ignored for kRaw
   GatherKind kind;
   const int32_t* block_table;
@@ -60,8 +71,8 @@ struct WriteParams {
   int64_t k_pe_row_stride;    // bytes
   ElemType in_type;
   int32_t num_tokens;
-  int32_t L;
-  int32_t R;
+  int64_t L;
+  int64_t R;
   uint8_t* cache;
   int64_t block_stride;       // bytes
   int64_t entry_stride;       // bytes
@@ -80,8 +91,8 @@ struct KvScaleParams {
   int64_t k_pe_row_stride;    // bytes
   ElemType in_type;
   int32_t num_tokens;
-  int32_t L;
-  int32_t R;
+  int64_t L;
+  int64_t R;
   float fp8_max;              // 448 (e4m3) or 57344 (e5m2)
   float* out;                 // [1]
 };
@@ -118,6 +129,11 @@ MLA_HOST_DEVICE inline uint8_t* write_dest_row(const WriteParams& p, int64_t t) 
                                    : static_cast<const int64_t*>(p.slots)[t];
   if (slot < 0 || slot >= static_cast<int64_t>(p.num_blocks) * p.block_size) return nullptr;
   return p.cache + (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.entry_stride;
+}
+
+// The per-tensor scale a kernel uses: `s` when finite and > 0, else NaN.
+MLA_HOST_DEVICE inline float checked_k_scale(float s) {
+  return s > 0.0f && s <= 3.40282347e38f ? s : fp8::bits_f32(0x7FC00000u);
 }
 
 // compute_kv_scale never returns less than this (reference.MIN_KV_SCALE).

@@ -45,25 +45,26 @@ __device__ inline bool aligned(const void* p, int n) {
   return (reinterpret_cast<uintptr_t>(p) % n) == 0;
 }
 
-__device__ void raw_row(const uint8_t* src, uint8_t* d, int bytes, int lane) {
+// Row sizes and in-row indices are int64: a row may be 2^31 bytes or more.
+__device__ void raw_row(const uint8_t* src, uint8_t* d, int64_t bytes, int lane) {
   if (!src) {
     if (bytes % 16 == 0 && aligned(d, 16)) {
-      for (int c = lane; c < bytes / 16; c += 32) reinterpret_cast<uint4*>(d)[c] = make_uint4(0, 0, 0, 0);
+      for (int64_t c = lane; c < bytes / 16; c += 32) reinterpret_cast<uint4*>(d)[c] = make_uint4(0, 0, 0, 0);
     } else {
-      for (int i = lane; i < bytes; i += 32) d[i] = 0;
+      for (int64_t i = lane; i < bytes; i += 32) d[i] = 0;
     }
   } else if (bytes % 16 == 0 && aligned(d, 16) && aligned(src, 16)) {
-    for (int c = lane; c < bytes / 16; c += 32)
+    for (int64_t c = lane; c < bytes / 16; c += 32)
       reinterpret_cast<uint4*>(d)[c] = __ldg(reinterpret_cast<const uint4*>(src) + c);
   } else {
-    for (int i = lane; i < bytes; i += 32) d[i] = src[i];
+    for (int64_t i = lane; i < bytes; i += 32) d[i] = src[i];
   }
 }
 
 template <class T>
-__device__ void per_tensor_row(const uint8_t* src, T* d, int w, const T* lut, int lane) {
+__device__ void per_tensor_row(const uint8_t* src, T* d, int64_t w, const T* lut, int lane) {
   if (w % 8 == 0 && aligned(src, 8) && aligned(d, 8 * sizeof(T))) {
-    for (int c = lane; c < w / 8; c += 32) {
+    for (int64_t c = lane; c < w / 8; c += 32) {
       const uint2 q = __ldg(reinterpret_cast<const uint2*>(src) + c);
       Pack8<T> o;
 #pragma unroll
@@ -74,12 +75,12 @@ __device__ void per_tensor_row(const uint8_t* src, T* d, int w, const T* lut, in
       reinterpret_cast<Pack8<T>*>(d)[c] = o;
     }
   } else {
-    for (int i = lane; i < w; i += 32) d[i] = lut[src[i]];
+    for (int64_t i = lane; i < w; i += 32) d[i] = lut[src[i]];
   }
 }
 
 template <class Out>
-__device__ void ds_mla_row(const uint8_t* src, typename Out::T* d, int w, const float* lut, int lane) {
+__device__ void ds_mla_row(const uint8_t* src, typename Out::T* d, int64_t w, const float* lut, int lane) {
   using T = typename Out::T;
   constexpr int kChunksPerTile = ds_mla::kTileSize / 8;
   if (aligned(src, 16) && aligned(d, 8 * sizeof(T))) {
@@ -95,7 +96,7 @@ __device__ void ds_mla_row(const uint8_t* src, typename Out::T* d, int w, const 
       }
       reinterpret_cast<Pack8<T>*>(d)[c] = o;
     }
-    const int rope_chunks = (w - ds_mla::kLatentDim) / 8;  // 8 or 0
+    const int rope_chunks = static_cast<int>(w - ds_mla::kLatentDim) / 8;  // 8 or 0 (w is 576 or 512)
     if (lane < rope_chunks) {
       const uint4 r = __ldg(reinterpret_cast<const uint4*>(src + ds_mla::kRopeOffset) + lane);
       const uint32_t words[4] = {r.x, r.y, r.z, r.w};
@@ -108,7 +109,7 @@ __device__ void ds_mla_row(const uint8_t* src, typename Out::T* d, int w, const 
       reinterpret_cast<Pack8<T>*>(d + ds_mla::kLatentDim)[lane] = o;
     }
   } else {
-    for (int i = lane; i < w; i += 32) {
+    for (int i = lane; i < static_cast<int>(w); i += 32) {
       if (i < ds_mla::kLatentDim) {
         float s;
         memcpy(&s, src + ds_mla::kScaleOffset + 4 * (i / ds_mla::kTileSize), 4);
@@ -129,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) 
   __shared__ float lut_f[256];
   if constexpr (KIND == static_cast<int>(GatherKind::kFp8E4M3) ||
                 KIND == static_cast<int>(GatherKind::kFp8E5M2)) {
-    const float scale = *p.k_scale;
+    const float scale = checked_k_scale(*p.k_scale);  // NaN rows for an invalid scale
     for (int b = threadIdx.x; b < 256; b += blockDim.x) {
       const float v = KIND == static_cast<int>(GatherKind::kFp8E4M3) ? fp8::decode_e4m3(b) : fp8::decode_e5m2(b);
       lut_t[b] = Out::from(v * scale);
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) 
   } else {
     T* d = reinterpret_cast<T*>(drow);
     if (!src) {
-      raw_row(nullptr, drow, p.width * static_cast<int>(sizeof(T)), lane);  // zeros
+      raw_row(nullptr, drow, p.width * static_cast<int64_t>(sizeof(T)), lane);  // zeros
     } else if constexpr (KIND == static_cast<int>(GatherKind::kFp8DsMla)) {
       ds_mla_row<Out>(src, d, p.width, lut_f, lane);
     } else {

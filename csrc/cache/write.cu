@@ -21,17 +21,19 @@ namespace {
 constexpr int kTokensPerCta = 8;
 constexpr int kThreads = 32 * kTokensPerCta;
 
-__device__ inline float load_f32(const uint8_t* row, ElemType t, int i) {
+// In-row indices and byte counts are int64: rows may be 2^31 elements or more.
+__device__ inline float load_f32(const uint8_t* row, ElemType t, int64_t i) {
   if (t == ElemType::kBF16) return fp8::bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(row)[i]);
   if (t == ElemType::kF16) return fp8::f16_bits_to_f32(reinterpret_cast<const uint16_t*>(row)[i]);
   return reinterpret_cast<const float*>(row)[i];
 }
 
-__device__ void copy_bytes(uint8_t* d, const uint8_t* s, int n, int lane) {
+__device__ void copy_bytes(uint8_t* d, const uint8_t* s, int64_t n, int lane) {
   if (n % 4 == 0 && reinterpret_cast<uintptr_t>(d) % 4 == 0 && reinterpret_cast<uintptr_t>(s) % 4 == 0) {
-    for (int i = lane; i < n / 4; i += 32) reinterpret_cast<uint32_t*>(d)[i] = reinterpret_cast<const uint32_t*>(s)[i];
+    for (int64_t i = lane; i < n / 4; i += 32)
+      reinterpret_cast<uint32_t*>(d)[i] = reinterpret_cast<const uint32_t*>(s)[i];
   } else {
-    for (int i = lane; i < n; i += 32) d[i] = s[i];
+    for (int64_t i = lane; i < n; i += 32) d[i] = s[i];
   }
 }
 
@@ -74,15 +76,15 @@ __global__ void __launch_bounds__(kThreads) write_kernel(const WriteParams p) {
     case QuantMode::kNone: {
       const int eb = elem_bytes(p.in_type);
       copy_bytes(dst, p.kv_c + t * p.kv_c_row_stride, p.L * eb, lane);
-      copy_bytes(dst + static_cast<int64_t>(p.L) * eb, p.k_pe + t * p.k_pe_row_stride, p.R * eb, lane);
+      copy_bytes(dst + p.L * eb, p.k_pe + t * p.k_pe_row_stride, p.R * eb, lane);
       break;
     }
     case QuantMode::kFp8PerTensor: {
-      const float scale = *p.k_scale;
+      const float scale = checked_k_scale(*p.k_scale);  // NaN bytes for an invalid scale
       const bool e4m3 = p.format == CacheFormat::kFp8E4M3;
       const uint8_t* kv = p.kv_c + t * p.kv_c_row_stride;
       const uint8_t* pe = p.k_pe + t * p.k_pe_row_stride;
-      for (int i = lane; i < p.L + p.R; i += 32) {
+      for (int64_t i = lane; i < p.L + p.R; i += 32) {
         const float x = i < p.L ? load_f32(kv, p.in_type, i) : load_f32(pe, p.in_type, i - p.L);
         dst[i] = e4m3 ? fp8::encode_e4m3_sat(x / scale) : fp8::encode_e5m2_sat(x / scale);
       }
@@ -99,7 +101,7 @@ __global__ void amax_kernel(const KvScaleParams p, unsigned int* amax_bits) {
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = k / width;
-    const int i = static_cast<int>(k % width);
+    const int64_t i = k % width;
     const float a = fabsf(i < p.L ? load_f32(p.kv_c + t * p.kv_c_row_stride, p.in_type, i)
                                   : load_f32(p.k_pe + t * p.k_pe_row_stride, p.in_type, i - p.L));
     if (isfinite(a)) amax = fmaxf(amax, a);  // non-finite values are ignored

@@ -117,8 +117,10 @@ MLA_HOST_DEVICE constexpr int storage_elem_bytes(CacheFormat f, int model_elem_b
                                                                         : 1;
 }
 
+// Dims are int64 everywhere: a caller's L or R past 2^31 must not wrap into a
+// supported value (format_info("fp8_ds_mla", 2^32 + 512, 64) once answered 656).
 // True when the format can hold rows of latent width L and rope width R.
-MLA_HOST_DEVICE constexpr bool supports_dims(CacheFormat f, int L, int R) {
+MLA_HOST_DEVICE constexpr bool supports_dims(CacheFormat f, int64_t L, int64_t R) {
   return L > 0 && R >= 0 &&
          (f != CacheFormat::kFp8DsMla ||
           (L == ds_mla::kLatentDim && (R == ds_mla::kRopeDim || R == 0)));
@@ -126,19 +128,18 @@ MLA_HOST_DEVICE constexpr bool supports_dims(CacheFormat f, int L, int R) {
 
 // Bytes one token occupies in a page (SPEC §4); -1 when the dims are not
 // supported by the format.
-MLA_HOST_DEVICE constexpr int64_t bytes_per_token(CacheFormat f, int L, int R,
+MLA_HOST_DEVICE constexpr int64_t bytes_per_token(CacheFormat f, int64_t L, int64_t R,
                                                   int model_elem_bytes) {
   return !supports_dims(f, L, R) ? -1
          : f == CacheFormat::kFp8DsMla
              ? static_cast<int64_t>(ds_mla::kEntryBytes)
-             : static_cast<int64_t>(L + R) * storage_elem_bytes(f, model_elem_bytes);
+             : (L + R) * storage_elem_bytes(f, model_elem_bytes);
 }
 
 // Elements per cache entry along the last dim of `[num_blocks, B, entry]`.
-MLA_HOST_DEVICE constexpr int64_t entry_elems(CacheFormat f, int L, int R,
+MLA_HOST_DEVICE constexpr int64_t entry_elems(CacheFormat f, int64_t L, int64_t R,
                                               int model_elem_bytes) {
-  return f == CacheFormat::kFp8DsMla ? static_cast<int64_t>(ds_mla::kEntryBytes)
-                                     : static_cast<int64_t>(L + R);
+  return f == CacheFormat::kFp8DsMla ? static_cast<int64_t>(ds_mla::kEntryBytes) : L + R;
 }
 
 }  // namespace mla_ext

@@ -27,6 +27,7 @@ import torch
 
 from mla_ext import _ext
 from mla_ext.attention import reference
+from mla_ext.cache.checks import check_no_internal_overlap, check_no_overlap
 from mla_ext.dispatch import Backend, Dispatcher
 
 O_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -288,6 +289,19 @@ def _validate_merge(x: MergeInputs) -> None:
                f"{tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}")
         _check(lse.dtype == torch.float32, f"{name}: expected dtype float32, got {lse.dtype}")
         _check(lse.device == x.o1.device, f"{name}: expected device {x.o1.device} (as o1), got {lse.device}")
+    # Outputs may be exactly an input of their kind (an in-place merge: every
+    # backend reads a row before writing it), never a shifted or partial view
+    # of any input (out=buf[1:6] over o1=buf[:5] read rows already merged),
+    # nor overlap each other or themselves.
+    outputs = [("out", x.out, ("o1", "o2"))] + ([("out_lse", x.out_lse, ("lse1", "lse2"))]
+                                                if x.out_lse is not None else [])
+    inputs = (("o1", x.o1), ("lse1", x.lse1), ("o2", x.o2), ("lse2", x.lse2))
+    for w_name, w, same_kind in outputs:
+        check_no_internal_overlap(w, w_name)
+        for r_name, r in inputs:
+            check_no_overlap(w, w_name, r, r_name, in_place=r_name in same_kind)
+    if x.out_lse is not None:
+        check_no_overlap(x.out_lse, "out_lse", x.out, "out")
 
 
 def merge_attn_states(
@@ -305,6 +319,8 @@ def merge_attn_states(
     as -inf; a side with -inf returns the other side unchanged; both -inf give
     o = 0, lse = -inf. `out` / `out_lse` may be given (and may be o1/lse1 or
     o2/lse2 themselves, for an in-place merge); otherwise they are allocated.
+    Any other memory shared between an output and an input (a shifted view,
+    say), or between the two outputs, is a ValueError naming both.
     Returns (out, out_lse).
     """
     if out is None and isinstance(o1, torch.Tensor):

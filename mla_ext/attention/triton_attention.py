@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_ext.triton_fp8 import launch_guard
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E = 1.4426950408889634
 
@@ -172,14 +174,15 @@ def varlen_attention_triton(
     lowp = (not _INTERPRET) and q.dtype in (torch.bfloat16, torch.float16)
     ieee = q.dtype == torch.float32
     grid = (triton.cdiv(max_seqlen_q, block_m), batch, n)
-    _attn_fwd_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-        softmax_scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        dqk, dv,
-        CAUSAL=causal, LOWP_DOT=lowp, IEEE_FP32=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
-        num_warps=warps, num_stages=stages,
-    )
+    with launch_guard(q):
+        _attn_fwd_kernel[grid](
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+            softmax_scale * LOG2E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            dqk, dv,
+            CAUSAL=causal, LOWP_DOT=lowp, IEEE_FP32=ieee,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
+            num_warps=warps, num_stages=stages,
+        )
 

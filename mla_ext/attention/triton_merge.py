@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_ext.triton_fp8 import launch_guard
+
 
 @triton.jit
 def _merge_kernel(
@@ -75,10 +77,11 @@ def merge_attn_states_triton(
     block_r = max(1, min(triton.next_power_of_2(rows), 4096 // block_d))
     ol = out_lse if out_lse is not None else lse1  # never written when HAS_OUT_LSE is False
     grid = (triton.cdiv(rows, block_r),)
-    _merge_kernel[grid](
-        out, ol, o1, lse1, o2, lse2,
-        rows, n, d,
-        out.stride(0), out.stride(1), o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),
-        ol.stride(0), ol.stride(1), lse1.stride(0), lse1.stride(1), lse2.stride(0), lse2.stride(1),
-        HAS_OUT_LSE=out_lse is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-    )
+    with launch_guard(out):
+        _merge_kernel[grid](
+            out, ol, o1, lse1, o2, lse2,
+            rows, n, d,
+            out.stride(0), out.stride(1), o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),
+            ol.stride(0), ol.stride(1), lse1.stride(0), lse1.stride(1), lse2.stride(0), lse2.stride(1),
+            HAS_OUT_LSE=out_lse is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+        )

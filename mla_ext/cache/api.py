@@ -28,7 +28,13 @@ Out-of-range policy (every backend; see csrc/cache/cache_kernels.h):
     graphs) and raises ValueError naming the request and the block (or the
     token and the slot, or the request whose rows end past dst) instead.
   * k_scale must be finite and > 0: checked whenever it is on the CPU (free),
-    and on a GPU only with validate=True (reading it there would sync).
+    and on a GPU only with validate=True (reading it there would sync). An
+    unchecked invalid device scale gives NaN (every dequantized value of a
+    gather, every stored value of a write), never plausible rows. k_scale is
+    on the cache's device even for formats that ignore it.
+  * Outputs never share memory with inputs: dst (kv_cache for a write) may
+    not overlap the cache, the index tensors or k_scale, nor itself (an
+    expand()ed dst); a ValueError names both arguments.
   * num_reqs may be smaller than cu_seq_lens.numel() - 1 (extra entries are
     ignored) but never larger; block_table needs >= num_reqs rows.
 """

@@ -1,12 +1,14 @@
 """Argument checks shared by every cache backend (C++ CPU, CUDA, Triton).
 
 Errors are API: each raises ValueError naming the argument and what was
-expected. The shape/dtype/stride checks never read tensor data (no host sync);
+expected. The shape/dtype/stride and memory-overlap checks never read tensor
+data (no host sync);
 `check_block_ids`, `check_slots` and `check_scale_value` do read data and are
 used only when the caller asks for `validate=True` (or the data is on the CPU).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,104 @@ def _tensor(x, arg: str) -> Tensor:
 def _same_device(t: Tensor, ref: Tensor, arg: str, ref_arg: str) -> None:
     if t.device != ref.device:
         raise ValueError(f"{arg}: expected a tensor on {ref.device} (the device of {ref_arg}), got {t.device}")
+
+
+# -- memory overlap ------------------------------------------------------------
+# An op must not write memory it also reads through another argument, nor one
+# location twice. The rules below are exact for the layouts the ops take and
+# conservative otherwise; csrc/bindings.cpp applies the same rules to the raw
+# ops. They read addresses, never data (no host sync). Strides are >= 0
+# (torch has no negative strides).
+
+def _addressable(*tensors: Tensor) -> bool:
+    """Real memory to compare: not while torch.compile traces, not meta tensors."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t.device.type != "meta" for t in tensors)
+
+
+def has_internal_overlap(t: Tensor) -> bool:
+    """True unless t's elements provably occupy distinct addresses.
+
+    The dims of size > 1, by increasing stride, must each step past every
+    offset the smaller ones reach; an expand()ed dim (stride 0) never does.
+    """
+    reach = 0
+    for stride, size in sorted((t.stride(d), t.size(d)) for d in range(t.dim()) if t.size(d) > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _span_and_run(t: Tensor) -> tuple[int, int, int, list[int]]:
+    """(first byte, end byte, run bytes, strides of the runs in bytes).
+
+    A run is t's unit-stride last dim (or one element); the other dims place
+    runs at multiples of their strides.
+    """
+    e = t.element_size()
+    last = t.dim() - 1
+    inner = last >= 0 and t.size(last) > 1 and t.stride(last) == 1
+    reach, steps = 0, []
+    for d in range(t.dim()):
+        if t.size(d) > 1:
+            reach += (t.size(d) - 1) * t.stride(d)
+            if not (inner and d == last):
+                steps.append(t.stride(d) * e)
+    lo = t.data_ptr()
+    return lo, lo + (reach + 1) * e, (t.size(last) * e if inner else e), steps
+
+
+def may_overlap(a: Tensor, b: Tensor) -> bool:
+    """True unless a and b provably share no byte.
+
+    Disjoint byte spans never overlap. Otherwise, with P the gcd of every run
+    stride of both tensors, each byte of a sits at a residue in
+    [a0, a0 + run_a) mod P and each byte of b in [b0, b0 + run_b) mod P:
+    disjoint residue ranges mean disjoint tensors (exact for column slices
+    of one buffer and for interleaved rows).
+    """
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a_lo, a_hi, run_a, steps_a = _span_and_run(a)
+    b_lo, b_hi, run_b, steps_b = _span_and_run(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    period = math.gcd(*steps_a, *steps_b)
+    if period == 0:
+        return True  # two single runs whose spans intersect
+    d = (b_lo - a_lo) % period
+    return not (run_a <= d and d + run_b <= period)
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def check_no_internal_overlap(t: Tensor, arg: str) -> None:
+    if _addressable(t) and has_internal_overlap(t):
+        raise ValueError(
+            f"{arg}: its elements overlap in memory (shape {tuple(t.shape)}, strides {t.stride()}); "
+            "expected a tensor whose elements are distinct, not an expand()ed or self-overlapping view"
+        )
+
+
+def check_no_overlap(written: Tensor, w_arg: str, read: Tensor | None, r_arg: str,
+                     in_place: bool = False) -> None:
+    """`written` (an output) must not share memory with `read` (an input);
+    `in_place` allows the very same view (kernels that read a row before writing it)."""
+    if read is None or not isinstance(read, Tensor) or not _addressable(written, read):
+        return
+    if in_place and _same_view(written, read):
+        return
+    if may_overlap(written, read):
+        alias = " or exactly the same view" if in_place else ""
+        raise ValueError(
+            f"{w_arg} and {r_arg}: share memory (the op writes {w_arg} while it reads {r_arg}); "
+            f"expected separate memory{alias}"
+        )
 
 
 def _int_tensor(t, arg: str, ndim: int, dtypes=(torch.int32,)) -> Tensor:
@@ -95,8 +195,14 @@ def check_cache(cache, fmt: CacheFormat, arg: str = "kv_cache") -> tuple[int, in
 
 
 def check_k_scale(k_scale, fmt: CacheFormat, device: torch.device) -> None:
-    """A per-tensor format needs a float32 scale with one element on the cache's device."""
+    """A per-tensor format needs a float32 scale with one element on the cache's device.
+
+    Other formats ignore the scale, but a tensor given for it must still be on
+    the cache's device (every tensor argument of a compiled op is on one device).
+    """
     if fmt.quant_mode != QuantMode.FP8_PER_TENSOR:
+        if isinstance(k_scale, Tensor) and k_scale.device != device:
+            raise ValueError(f"k_scale: expected a tensor on {device} (the cache's device), got {k_scale.device}")
         return
     k_scale = _tensor(k_scale, "k_scale")
     if k_scale.dtype != torch.float32 or k_scale.numel() != 1:
@@ -147,6 +253,9 @@ def validate_write_args(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_sc
         raise ValueError("slot_mapping: expected a contiguous tensor")
     _same_device(slot_mapping, kv_cache, "slot_mapping", "kv_cache")
     check_k_scale(k_scale, fmt, kv_cache.device)
+    check_no_internal_overlap(kv_cache, "kv_cache")
+    for t, name in ((kv_c, "kv_c"), (k_pe, "k_pe"), (slot_mapping, "slot_mapping"), (k_scale, "k_scale")):
+        check_no_overlap(kv_cache, "kv_cache", t, name)
     return fmt
 
 
@@ -193,6 +302,10 @@ def _check_gather_index_args(src_cache, dst, block_table, cu_seq_lens, num_reqs,
     if dst.stride(0) < 0:
         raise ValueError(f"dst: negative strides are not supported, got {dst.stride()}")
     _same_device(dst, src_cache, "dst", "src_cache")
+    check_no_internal_overlap(dst, "dst")
+    for t, name in ((src_cache, "src_cache"), (block_table, "block_table"), (cu_seq_lens, "cu_seq_lens"),
+                    (seq_starts, "seq_starts")):
+        check_no_overlap(dst, "dst", t, name)
 
 
 def validate_gather_args(
@@ -221,8 +334,8 @@ def validate_gather_args(
             f"dst: fp8_ds_mla dequantizes to {DsMla.LATENT_DIM + DsMla.ROPE_DIM} (R=64) or "
             f"{DsMla.LATENT_DIM} (R=0) columns, got {width}"
         )
-    if not raw:
-        check_k_scale(k_scale, fmt, src_cache.device)
+    check_k_scale(k_scale, fmt if not raw else get_format("auto"), src_cache.device)
+    check_no_overlap(dst, "dst", k_scale, "k_scale")
     return GatherInfo(fmt, raw, num_blocks, B, entry, width)
 
 

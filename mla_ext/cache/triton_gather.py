@@ -43,7 +43,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the install
     _TRITON_IMPORT_ERROR = str(_exc)
 else:
     _TRITON_IMPORT_ERROR = None
-    from mla_ext.triton_fp8 import e4m3_to_f32, e5m2_to_f32
+    from mla_ext.triton_fp8 import e4m3_to_f32, e5m2_to_f32, launch_guard
 
 # The MODE 3 (fp8_ds_mla) branch of the kernel spells the row layout as
 # literals (512 latent bytes, scales at byte 512 = fp32 index 128, k_pe at
@@ -144,6 +144,10 @@ if triton is not None:
             else:
                 if MODE != 0:
                     k_scale = tl.load(scale_ptr)
+                    # Not checked on the host (that would sync): an invalid
+                    # scale (NaN, inf, <= 0) gives NaN rows, as in the C++ kernels.
+                    k_scale = tl.where((k_scale > 0.0) & (k_scale <= 3.4028234663852886e38),
+                                       k_scale, float("nan"))
                 for c0 in range(0, n_cols, BLOCK_C):
                     cols = c0 + tl.arange(0, BLOCK_C)
                     cm = (cols < n_cols)[None, :]
@@ -269,14 +273,15 @@ def gather_triton(
     src_bf16 = src_cache.view(torch.bfloat16) if aligned else src_cache
     rows = block_rows or _block_rows(dst.shape[0])
     grid = (triton.cdiv(dst.shape[0], rows),)
-    _gather_kernel[grid](
-        src_cache, src_f32, src_bf16, dst, bt, cu, starts, scale,
-        num_reqs, src_cache.shape[0], src_cache.shape[1], block_table.shape[1],
-        dst.shape[0], dst.shape[1], max(num_reqs.bit_length(), 1),
-        src_cache.stride(0), src_cache.stride(1), src_cache.stride(2),
-        bt.stride(0), bt.stride(1), dst.stride(0), dst.stride(1),
-        MODE=mode, HAS_STARTS=seq_starts is not None, ALIGNED=aligned,
-        # 16 bytes per thread per row chunk: 64 columns of 2-4 byte values, 128 of bytes.
-        BLOCK_R=rows, BLOCK_C=128 if src_cache.element_size() == 1 else 64, num_warps=4,
-    )
+    with launch_guard(dst):
+        _gather_kernel[grid](
+            src_cache, src_f32, src_bf16, dst, bt, cu, starts, scale,
+            num_reqs, src_cache.shape[0], src_cache.shape[1], block_table.shape[1],
+            dst.shape[0], dst.shape[1], max(num_reqs.bit_length(), 1),
+            src_cache.stride(0), src_cache.stride(1), src_cache.stride(2),
+            bt.stride(0), bt.stride(1), dst.stride(0), dst.stride(1),
+            MODE=mode, HAS_STARTS=seq_starts is not None, ALIGNED=aligned,
+            # 16 bytes per thread per row chunk: 64 columns of 2-4 byte values, 128 of bytes.
+            BLOCK_R=rows, BLOCK_C=128 if src_cache.element_size() == 1 else 64, num_warps=4,
+        )
     return out

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from mla_ext.kv_b_proj import reference as ref
+from mla_ext.triton_fp8 import launch_guard
 
 GROUP = ref.FP8_BLOCK
 EPS = 1e-10
@@ -22,7 +23,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, ep
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: rows * stride may pass 2^31
     cols = g * GROUP + tl.arange(0, GROUP)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -59,7 +60,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = GROUP, eps: float = 
     if m == 0 or k == 0:
         return q, s
     block_m = 16
-    _quant_kernel[(triton.cdiv(m, block_m), g)](
-        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), eps, GROUP=group, BLOCK_M=block_m
-    )
+    with launch_guard(x):
+        _quant_kernel[(triton.cdiv(m, block_m), g)](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), eps, GROUP=group, BLOCK_M=block_m
+        )
     return q, s

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from mla_ext.kv_b_proj import quant
 from mla_ext.kv_b_proj import reference as ref
+from mla_ext.triton_fp8 import launch_guard
 
 BLOCK_K = ref.FP8_BLOCK
 
@@ -27,8 +28,11 @@ def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 before any stride product: (M - 1) * stride_cm + N reaches 2^31 at
+    # DeepSeek-V3 TP1 sizes (N = 32768, > 65536 rows), and int32 offsets wrapped
+    # to ~4 GiB before `out`.
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -82,11 +86,12 @@ def w8a8_block_fp8_matmul(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tenso
         return out
     cfg = _config(m)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    _fp8_block_gemm_kernel[grid](
-        a_q, a_s, w_q, w_s, out, m, n, k,
-        a_q.stride(0), a_s.stride(0), w_q.stride(0), w_s.stride(0), out.stride(0),
-        BLOCK_K=BLOCK_K, **cfg,
-    )
+    with launch_guard(out):
+        _fp8_block_gemm_kernel[grid](
+            a_q, a_s, w_q, w_s, out, m, n, k,
+            a_q.stride(0), a_s.stride(0), w_q.stride(0), w_s.stride(0), out.stride(0),
+            BLOCK_K=BLOCK_K, **cfg,
+        )
     return out
 
 

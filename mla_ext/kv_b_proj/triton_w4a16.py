@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from mla_ext.kv_b_proj import reference as ref
-from mla_ext.triton_fp8 import e4m3_to_f32
+from mla_ext.triton_fp8 import e4m3_to_f32, launch_guard
 
 
 @triton.jit
@@ -29,8 +29,9 @@ def _w4a16_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
                   DOT_FP32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 before any stride product (int32 row offsets wrapped past 2^31).
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -97,6 +98,7 @@ def nvfp4_w4a16_matmul(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
         return out
     cfg = _config(m)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    _w4a16_kernel[grid](x, w_packed, w_scale.view(torch.uint8), global_scale, out, m, n, k,
-                        x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0), **cfg)
+    with launch_guard(out):
+        _w4a16_kernel[grid](x, w_packed, w_scale.view(torch.uint8), global_scale, out, m, n, k,
+                            x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0), **cfg)
     return out
