@@ -122,6 +122,21 @@ def test_value_order_when_time_runs_short():
     assert all(ln["skipped"] == "0" for ln in first)
 
 
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_caps_fit_the_default_deadline_so_every_step_runs_in_the_worst_case(mode):
+    """The sum of the planned caps (each with its kill grace and packing) fits the
+    default deadline: even if every step runs to its cap, none is skipped."""
+    lines = plan(mode, GPU_CHECK_PLAN_ASSUME="cap")
+    check_limits(lines)
+    head = _head(lines)
+    groups = [ln for ln in lines if ("step" in ln and "." not in ln["step"])
+              or ("group" in ln and "step" not in ln)]
+    spent = sum(int(ln["cap"]) + head["kill_grace"] + head["pack"] for ln in groups)
+    assert spent <= head["deadline"] - head["margin"], f"caps need {spent}s of {head['deadline']}s"
+    skipped = [ln["step"] for ln in lines if "step" in ln and ln["skipped"] != "0"]
+    assert skipped == [], f"worst case at the default deadline skips {skipped}"
+
+
 def test_every_command_of_the_run_goes_through_step_or_pool():
     """A command added to the run section without `step` would escape the
     deadline, the logs and the packing."""
@@ -182,7 +197,7 @@ def test_dry_run_of_the_cheap_steps(tmp_path):
 
 @pytest.mark.skipif(_cuda_visible(), reason="the dry run is the no-GPU path")
 def test_steps_that_do_not_fit_the_deadline_are_skipped_with_a_note(tmp_path):
-    res, out = run_script(tmp_path, GPU_CHECK_DEADLINE="25", GPU_CHECK_ONLY="facts,info,demo")
+    res, out = run_script(tmp_path, GPU_CHECK_DEADLINE="12", GPU_CHECK_ONLY="facts,info,demo")
     assert res.returncode == 0, res.stdout[-3000:]
     summary = (out / "summary.md").read_text()
     for name in ("facts", "info", "demo"):
