@@ -50,6 +50,17 @@ def needs_free_gib(gib: float):
     return pytest.mark.skipif(_mem_available_gib() < gib, reason=f"needs {gib} GiB of free memory")
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _lazy_zeros(*shape, dtype, device):
+    """Zeros: on the CPU torch.empty's fresh pages (committed only when written),
+    on a GPU real zeros."""
+    if device == "cpu":
+        return torch.empty(*shape, dtype=dtype)
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
 def _one_request(device="cpu"):
     bt = torch.tensor([[0]], dtype=torch.int32, device=device)
     cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
@@ -63,25 +74,26 @@ def _one_request(device="cpu"):
 @needs_ext
 @needs_free_gib(6)
 @pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("via", ["raw", "api"])
-def test_cp_gather_row_of_2_31_bytes(via):
+def test_cp_gather_row_of_2_31_bytes(via, device):
     """A 2^31-byte row: the copy and the zero row of an out-of-range block both
     move exactly 2^31 bytes (the int32 size was negative: SIGSEGV)."""
     run = torch.ops.mla_ext.cp_gather_cache if via == "raw" else api.cp_gather_cache
-    bt, cu = _one_request()
+    bt, cu = _one_request(device)
     marks = [0, 12345, BIG // 2 + 7, BIG - 1]
     # Block 0 exists: the row is copied.
-    cache = torch.empty(1, 1, BIG, dtype=torch.uint8)
+    cache = _lazy_zeros(1, 1, BIG, dtype=torch.uint8, device=device)
     for i, v in zip(marks, (3, 5, 7, 9)):
         cache[0, 0, i] = v
-    dst = torch.empty(1, BIG, dtype=torch.uint8)
+    dst = torch.empty(1, BIG, dtype=torch.uint8, device=device)
     dst[0, 0], dst[0, -1] = 0xAB, 0xCD
     run(cache, dst, bt, cu, 1)
     assert [int(dst[0, i]) for i in marks] == [3, 5, 7, 9]
     assert int(dst[0, 1]) == 0 and int(dst[0, BIG - 2]) == 0
     del cache
     # No block at all: the row is zero-filled, all 2^31 bytes of it.
-    empty = torch.empty(0, 1, BIG, dtype=torch.uint8)
+    empty = torch.empty(0, 1, BIG, dtype=torch.uint8, device=device)
     for i in marks:
         dst[0, i] = 0x5A
     run(empty, dst, bt, cu, 1)
@@ -91,21 +103,22 @@ def test_cp_gather_row_of_2_31_bytes(via):
 @needs_ext
 @needs_free_gib(8)
 @pytest.mark.slow
-def test_fp8_gather_into_2_31_element_bf16_row():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_gather_into_2_31_element_bf16_row(device):
     """fp8 -> bf16 with a 2^31-element row (4 GiB): every element is written."""
-    bt, cu = _one_request()
-    cache = torch.empty(1, 1, BIG, dtype=torch.uint8)
+    bt, cu = _one_request(device)
+    cache = _lazy_zeros(1, 1, BIG, dtype=torch.uint8, device=device)
     marks = {0: 0x38, 99: 0xB8, BIG - 1: 0x40}  # e4m3 1.0, -1.0, 2.0
     for i, v in marks.items():
         cache[0, 0, i] = v
-    dst = torch.empty(1, BIG, dtype=torch.bfloat16)
+    dst = torch.empty(1, BIG, dtype=torch.bfloat16, device=device)
     dst[0, 0], dst[0, 1], dst[0, -1] = math.nan, math.nan, math.nan
-    scale = torch.tensor([0.5])
+    scale = torch.tensor([0.5], device=device)
     torch.ops.mla_ext.gather_and_maybe_dequant_cache(cache, dst, bt, cu, 1, "fp8", scale)
     assert [float(dst[0, i]) for i in marks] == [0.5, -0.5, 1.0]
     assert float(dst[0, 1]) == 0.0  # an untouched (zero) cache byte
     del cache
-    empty = torch.empty(0, 1, BIG, dtype=torch.uint8)
+    empty = torch.empty(0, 1, BIG, dtype=torch.uint8, device=device)
     dst[0, 0], dst[0, -1] = math.nan, math.nan
     torch.ops.mla_ext.gather_and_maybe_dequant_cache(empty, dst, bt, cu, 1, "fp8", scale)
     assert float(dst[0, 0]) == 0.0 and float(dst[0, -1]) == 0.0
@@ -113,13 +126,14 @@ def test_fp8_gather_into_2_31_element_bf16_row():
 
 @needs_ext
 @pytest.mark.slow
-def test_compute_kv_scale_of_2_31_element_rows():
-    """kv_c [1, 2^31] (virtual: only the written pages are committed): the amax is
-    found past the int32 range (the truncated width returned 1e-12)."""
-    kv_c = torch.empty(1, BIG, dtype=torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_compute_kv_scale_of_2_31_element_rows(device):
+    """kv_c [1, 2^31] (on the CPU virtual: only the written pages are committed):
+    the amax is found past the int32 range (the truncated width returned 1e-12)."""
+    kv_c = _lazy_zeros(1, BIG, dtype=torch.bfloat16, device=device)
     kv_c[0, 3] = 5.0
     kv_c[0, BIG - 1] = -896.0  # the amax: 896 / 448 = 2
-    k_pe = torch.full((1, 64), 0.25, dtype=torch.bfloat16)
+    k_pe = torch.full((1, 64), 0.25, dtype=torch.bfloat16, device=device)
     s = torch.ops.mla_ext.compute_kv_scale(kv_c, k_pe, "fp8")
     assert float(s) == 2.0
 
