@@ -7,7 +7,14 @@ reasons. The choice is inspectable (`explain`) and can be forced, for tests
 and benchmarks, with `Dispatcher.force(name)` or the environment variable
 MLA_EXT_FORCE_<OP>=<backend> (e.g. MLA_EXT_FORCE_GATHER=triton).
 
-Imports nothing from the rest of the package.
+A backend named "triton" or "triton_<...>" runs Triton kernels: besides its
+own reasons it reports those of the installed Triton itself, which matter
+under TRITON_INTERPRET=1 (`mla_ext.compat.triton_interpreter_reasons`: e.g. an
+interpreter that this numpy breaks), so the dispatcher falls back to the next
+backend instead of failing inside the kernel.
+
+Imports nothing from the rest of the package except mla_ext.compat (which
+imports nothing either), lazily.
 """
 from __future__ import annotations
 
@@ -34,7 +41,17 @@ class Backend:
     run: Callable[[Any], Any]
 
     def not_supported_reasons(self, inputs: Any) -> list[str]:
-        return list(self.reasons(inputs))
+        why = list(self.reasons(inputs))
+        if is_triton_backend(self.name):
+            from mla_ext.compat import triton_interpreter_reasons
+
+            why += triton_interpreter_reasons()  # [] unless interpreting; probed once
+        return why
+
+
+def is_triton_backend(name: str) -> bool:
+    """The naming convention for backends that run Triton kernels."""
+    return name == "triton" or name.startswith("triton_")
 
 
 class Dispatcher:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_ext import compat
+
 
 def launch_guard(t: torch.Tensor):
     """Context manager to wrap a Triton launch on `t`'s tensors.
@@ -22,7 +24,17 @@ def launch_guard(t: torch.Tensor):
     This makes t's device current for the launch; for CPU tensors (the
     interpreter) it is `torch.cuda.device(-1)`, a no-op that never
     initialises CUDA.
+
+    CPU tensors run in Triton's interpreter, which may not work with the
+    installed numpy (Triton 3.6 with numpy >= 2.4): the first such launch
+    probes it (mla_ext.compat, once per process, which installs a shim where
+    that fixes it); if it still cannot work, the launch raises a RuntimeError
+    naming the reason instead of failing inside the kernel.
     """
+    if t.device.type != "cuda":
+        why = compat.triton_interpreter_reasons()  # [] when not interpreting or fine
+        if why:
+            raise RuntimeError("; ".join(why))
     return torch.cuda.device(t.device if t.device.type == "cuda" else -1)
 
 

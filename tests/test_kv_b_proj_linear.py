@@ -12,6 +12,8 @@ import torch
 from mla_ext.kv_b_proj import DISPATCH, KvBProj
 from mla_ext.kv_b_proj import reference as ref
 from mla_ext.kv_b_proj import weights as W
+from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
+from mla_ext.dispatch import NoBackendError
 from mla_ext.kv_b_proj.linear import KvBProjInputs, backend_report
 
 N_ODD, K = 131, 256
@@ -89,9 +91,15 @@ def test_forced_kernel_matches_reference_with_poisoned_out(name, dt, m):
         assert float((y.float() - e).abs().mean() / e.abs().mean()) < 0.04
 
 
+# CPU torch._scaled_mm takes row-wise scales from torch 2.14 on, not in 2.11 (probed).
+CPU_ROWWISE = cpu_rowwise_scaled_mm_reasons()
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("m", MS)
 def test_scaled_mm_fp8_matches_rowwise_quantized_reference(per_channel, m):
+    if CPU_ROWWISE:
+        pytest.skip(CPU_ROWWISE[0])
     n = 144  # cuBLAS fp8 needs N % 16 == 0, so this backend refuses odd N
     layer = KvBProj(W.Fp8Weight.from_dense(_weights(n), per_channel=per_channel, params_dtype=torch.bfloat16))
     x = _x(m, torch.bfloat16, row_stride=K + 64)
@@ -100,6 +108,27 @@ def test_scaled_mm_fp8_matches_rowwise_quantized_reference(per_channel, m):
     with DISPATCH.force("scaled_mm_fp8"):
         y = layer(x)
     _check(y, ref.linear_ref(xq, layer.weight_format.dequantize_fp32()), torch.bfloat16)
+
+
+def test_scaled_mm_states_whether_cpu_torch_takes_rowwise_scales():
+    """Where CPU _scaled_mm is per-tensor only, scaled_mm_fp8 says so (forced: the
+    error names it) and the automatic choice still serves the call."""
+    layer = KvBProj(W.Fp8Weight.from_dense(_weights(144), per_channel=True, params_dtype=torch.bfloat16))
+    x = _x(16, torch.bfloat16)
+    with DISPATCH.force("scaled_mm_fp8"):
+        text = layer.explain(16)
+        if CPU_ROWWISE:
+            assert CPU_ROWWISE[0] in text
+            with pytest.raises(NoBackendError) as err:
+                layer(x)
+            assert CPU_ROWWISE[0] in str(err.value)
+        else:
+            assert "[*] scaled_mm_fp8" in text
+    if not torch.cuda.is_available():  # the machine report says it too
+        report = {name: why for _, name, why in backend_report()}
+        assert set(CPU_ROWWISE) <= set(report["scaled_mm_fp8"])
+    assert layer.backend_for(16) == "dequant_dense"
+    _check(layer(x), _expect(layer, x, "dequant_dense"), torch.bfloat16)
 
 
 def test_scaled_mm_refuses_odd_n_and_fp16():

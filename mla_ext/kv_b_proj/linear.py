@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
 from mla_ext.dispatch import Backend, Dispatcher
 from mla_ext.kv_b_proj import weights as W
 from mla_ext.kv_b_proj.input_dtype import FP8_DTYPES
@@ -200,6 +201,9 @@ def _scaled_mm_reasons(inp: KvBProjInputs) -> list[str]:
     why = _gpu_reasons("scaled_mm_fp8", inp, (8, 9), "CPU torch._scaled_mm")
     if not hasattr(torch, "_scaled_mm"):
         why.append("torch._scaled_mm is missing from this torch build")
+    elif inp.device.type == "cpu":
+        # The CPU kernel of torch 2.11 takes per-tensor scales only (probed once, cached).
+        why += cpu_rowwise_scaled_mm_reasons()
     f = inp.layer.weight_format
     # cuBLAS fp8 GEMMs need 16-aligned N and K.
     if f.N % 16 or f.K % 16:
@@ -403,5 +407,7 @@ def backend_report() -> list[tuple[str, str, list[str]]]:
                 why.append(err)
         if b.name == "scaled_mm_fp8" and not hasattr(torch, "_scaled_mm"):
             why.append("torch._scaled_mm is missing from this torch build")
+        elif b.name == "scaled_mm_fp8" and cap is None:
+            why += cpu_rowwise_scaled_mm_reasons()
         rows.append((OP, b.name, why))
     return rows
