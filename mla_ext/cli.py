@@ -29,7 +29,7 @@ import torch
 from mla_ext import _ext
 from mla_ext.formats import ALL_NAMES
 from mla_ext.models import get_model_config, known_model_names
-from mla_ext.planner import render_plan
+from mla_ext.planner import MAX_MEMORY_BYTES, render_plan
 from mla_ext.policy import CacheConfig
 
 BACKEND_MODULES = ("mla_ext.cache.api", "mla_ext.kv_b_proj.linear", "mla_ext.attention.api")
@@ -51,9 +51,14 @@ def parse_memory(text: str) -> int:
             f"--memory: cannot read {text!r}; expected a number with an optional unit, one of "
             "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 60GiB, 500MB, 123)"
         )
+    if len(m.group(1)) > 40:  # more digits than any byte count (and Decimal is exact)
+        raise ValueError(f"--memory: {text[:20]!r}... has {len(m.group(1))} digits; expected "
+                         f"at most {MAX_MEMORY_BYTES:,} bytes")
     value = int(Decimal(m.group(1)) * unit)
     if value <= 0:
         raise ValueError(f"--memory: {text!r} is less than one byte")
+    if value > MAX_MEMORY_BYTES:
+        raise ValueError(f"--memory: {text!r} is more than {MAX_MEMORY_BYTES:,} bytes (int64)")
     return value
 
 
@@ -220,5 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # Bad user input: one line, exit 2, never a traceback.
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

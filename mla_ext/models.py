@@ -17,6 +17,14 @@ import torch
 from mla_ext.formats import MODEL_DTYPES
 from mla_ext.softmax_scale import base_scale, scale_from_config
 
+# Layer counts bound loops (per-layer specs, plans, sliding-window sets), so a
+# corrupt config (num_hidden_layers: 10**9) must fail at once rather than hang.
+# Released MLA models have well under a hundred (DeepSeek-V2-Lite 27, DeepSeek-V3/R1
+# and Kimi-K2 61); 1024 leaves an order of magnitude of room.
+MAX_NUM_LAYERS = 1024
+# A config.json is a few KiB; anything past this is not one (and is not read).
+MAX_CONFIG_BYTES = 16 * 2**20
+
 _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -58,8 +66,14 @@ class MLAModelConfig:
     tp_rank: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise ValueError(f"name: expected a str (the model's name), got "
+                             f"{type(self.name).__name__}")
         for arg in ("L", "P", "V", "num_heads", "num_layers", "max_model_len", "tp_size"):
             _check_int(arg, getattr(self, arg), minimum=1, where=self.name)
+        if self.num_layers > MAX_NUM_LAYERS:
+            raise ValueError(f"{self.name}: num_layers must be an integer <= {MAX_NUM_LAYERS} "
+                             f"(models.MAX_NUM_LAYERS); got {_short(self.num_layers)}")
         _check_int("R", self.R, minimum=0, where=self.name)
         _check_int("tp_rank", self.tp_rank, minimum=0, where=self.name)
         if self.tp_rank >= self.tp_size:
@@ -83,6 +97,10 @@ class MLAModelConfig:
                 f"{self.name}: model_dtype must be one of torch.bfloat16, torch.float16, "
                 f"torch.float32; got {self.model_dtype}"
             )
+        if isinstance(self.sliding_window_layers, (str, bytes)) or \
+                not hasattr(self.sliding_window_layers, "__iter__"):
+            raise ValueError(f"{self.name}: sliding_window_layers must be a set of layer indices; "
+                             f"got {_short(self.sliding_window_layers)}")
         layers = frozenset(self.sliding_window_layers)
         bad = sorted(i for i in layers if not _is_int(i) or not 0 <= i < self.num_layers)
         if bad:
@@ -136,7 +154,7 @@ def _is_int(x) -> bool:
 
 def _check_int(arg: str, value, minimum: int, where: str) -> None:
     if not _is_int(value) or value < minimum:
-        raise ValueError(f"{where}: {arg} must be an integer >= {minimum}; got {value!r}")
+        raise ValueError(f"{where}: {arg} must be an integer >= {minimum}; got {_short(value)}")
 
 
 # The built-in models are excerpts of their real config.json, read by the same
@@ -207,18 +225,35 @@ _REQUIRED_KEYS = {
 
 def load_hf_config(path: str | os.PathLike) -> MLAModelConfig:
     """MLA dims from a HF `config.json`; a ValueError naming the file and every missing key."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path: expected a path to config.json (str or os.PathLike), got "
+                         f"{type(path).__name__}")
     path = os.fspath(path)
     try:
+        size = os.stat(path).st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ValueError(f"model config {path}: {size:,} bytes, more than the "
+                             f"{MAX_CONFIG_BYTES:,} of any config.json; not read")
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+    except OSError as exc:
         raise ValueError(f"model config {path}: cannot read JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"model config {path}: cannot read JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of 5,000 digits
+        if str(exc).startswith(f"model config {path}:"):
+            raise
+        raise ValueError(f"model config {path}: cannot read JSON ({type(exc).__name__}: "
+                         f"{exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"model config {path}: expected a JSON object at top level")
     return config_from_dict(raw, name=path)
 
 
 def config_from_dict(raw: dict, name: str) -> MLAModelConfig:
+    if not isinstance(raw, dict):
+        raise ValueError(f"model config {name}: expected a JSON object (dict), got "
+                         f"{type(raw).__name__}")
     # Multimodal checkpoints (e.g. Kimi-VL style) keep the language model's
     # fields under text_config; the MLA dims live there.
     if "kv_lora_rank" not in raw and isinstance(raw.get("text_config"), dict):
@@ -233,14 +268,29 @@ def config_from_dict(raw: dict, name: str) -> MLAModelConfig:
     for arg, key in _REQUIRED_KEYS.items():
         value = raw[key]
         if not _is_int(value):
-            raise ValueError(f"model config {name}: {key} must be an integer; got {value!r}")
+            raise ValueError(f"model config {name}: {key} must be an integer; got "
+                             f"{_short(value)}")
         dims[arg] = value
+    # Before anything loops over the layers (sliding_window_layers_from_dict).
+    if not 1 <= dims["num_layers"] <= MAX_NUM_LAYERS:
+        raise ValueError(f"model config {name}: num_hidden_layers must be an integer >= 1 "
+                         f"and <= {MAX_NUM_LAYERS} (models.MAX_NUM_LAYERS); got "
+                         f"{_short(dims['num_layers'])}")
     dtype, dtype_source = _model_dtype(raw, name)
     scale = scale_from_config(raw, dims["P"], dims["R"], name)
     sliding = sliding_window_layers_from_dict(raw, dims["num_layers"], name)
     return MLAModelConfig(name=name, model_dtype=dtype, sliding_window_layers=sliding,
                           softmax_scale=scale.value, softmax_scale_source=scale.source,
                           dtype_source=dtype_source, **dims)
+
+
+def _short(value) -> str:
+    """repr of a config value, cut to a readable length (an int of 5,000 digits
+    cannot even be printed: Python refuses str() of it)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _model_dtype(raw: dict, name: str) -> tuple[torch.dtype, str]:
@@ -257,7 +307,7 @@ def _parse_dtype(value, name: str, key: str = "torch_dtype") -> torch.dtype:
         if dtype is not None:
             return dtype
     raise ValueError(
-        f"model config {name}: {key} must be one of {sorted(_DTYPE_NAMES)}; got {value!r}"
+        f"model config {name}: {key} must be one of {sorted(_DTYPE_NAMES)}; got {_short(value)}"
     )
 
 
@@ -271,12 +321,15 @@ def sliding_window_layers_from_dict(raw: dict, num_layers: int, name: str) -> fr
       convention), with `sliding_window_pattern` n every layer except each n-th
       (Gemma convention), else every layer.
     """
+    if not _is_int(num_layers) or not 1 <= num_layers <= MAX_NUM_LAYERS:
+        raise ValueError(f"model config {name}: num_hidden_layers must be an integer >= 1 "
+                         f"and <= {MAX_NUM_LAYERS}; got {_short(num_layers)}")
     types = raw.get("layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != num_layers:
             raise ValueError(
                 f"model config {name}: layer_types must be a list of {num_layers} entries "
-                f"(num_hidden_layers); got {types!r}"
+                f"(num_hidden_layers); got {_short(types)}"
             )
         return frozenset(i for i, t in enumerate(types) if "sliding" in str(t).lower())
     if raw.get("sliding_window") is None or raw.get("use_sliding_window") is False:
@@ -285,7 +338,7 @@ def sliding_window_layers_from_dict(raw: dict, num_layers: int, name: str) -> fr
     if first is not None:
         if not _is_int(first) or first < 0:
             raise ValueError(
-                f"model config {name}: max_window_layers must be an integer >= 0; got {first!r}"
+                f"model config {name}: max_window_layers must be an integer >= 0; got {_short(first)}"
             )
         return frozenset(range(min(first, num_layers), num_layers))
     pattern = raw.get("sliding_window_pattern")
@@ -293,7 +346,7 @@ def sliding_window_layers_from_dict(raw: dict, num_layers: int, name: str) -> fr
         if not _is_int(pattern) or pattern < 1:
             raise ValueError(
                 f"model config {name}: sliding_window_pattern must be an integer >= 1; "
-                f"got {pattern!r}"
+                f"got {_short(pattern)}"
             )
         return frozenset(i for i in range(num_layers) if (i + 1) % pattern != 0)
     return frozenset(range(num_layers))

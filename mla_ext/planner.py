@@ -17,11 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_ext.policy import SLIDING_WINDOW, LayerCacheSpec, resolve_model
+from mla_ext.policy import SLIDING_WINDOW, LayerCacheSpec, check_bool, check_configs, resolve_model
 
 # Each layer's region in the shared buffer starts on this boundary, as a
 # separate CUDA allocation would, so kernels keep their aligned vector loads.
 REGION_ALIGN = 256
+# Block ids are int32 (the block table's dtype, SPEC §6): ids 0 .. 2**31 - 2, so
+# at most 2**31 - 1 blocks. A budget that would buy more is clamped to this many
+# blocks (the plan says so: PoolPlan.block_id_limited, and the table and JSON
+# show it); it never over-commits, it leaves the rest of the budget unused.
+MAX_NUM_BLOCKS = 2**31 - 1
+# Byte counts are int64 everywhere in torch; no budget is larger.
+MAX_MEMORY_BYTES = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,9 @@ class PoolPlan:
     bytes_used: int
     budget: int
     alignment: int | None
+    # True when the budget would buy more than MAX_NUM_BLOCKS blocks and the
+    # plan was clamped to the int32 block ids.
+    block_id_limited: bool = False
 
     @property
     def tokens_capacity(self) -> int:
@@ -76,7 +86,7 @@ class PoolPlan:
         they share its storage); otherwise each layer is its own allocation. Contents
         are uninitialised.
         """
-        if shared:
+        if check_bool(shared, "shared"):
             buf = torch.empty(self.bytes_used, dtype=torch.uint8, device=device)
             return [
                 buf[p.offset: p.offset + p.bytes].view(p.dtype).as_strided(p.shape, p.strides)
@@ -96,6 +106,8 @@ class PoolPlan:
             "bytes_used": self.bytes_used,
             "budget": self.budget,
             "alignment": self.alignment,
+            "block_id_limited": self.block_id_limited,
+            "max_num_blocks": MAX_NUM_BLOCKS,
             "layers": [
                 {
                     "layer": p.layer_index,
@@ -140,6 +152,9 @@ class PoolPlan:
             f"bytes used:      {self.bytes_used:,} ({format_bytes(self.bytes_used)}) of "
             f"{self.budget:,} ({format_bytes(self.budget)}), {pct:.2f}%",
         ]
+        if self.block_id_limited:
+            out.append(f"note:            capped at {MAX_NUM_BLOCKS:,} blocks (int32 block ids); "
+                       "the rest of the budget is not used")
         return "\n".join(out)
 
 
@@ -184,6 +199,9 @@ def plan_pool(
     `alignment` rounds each layer's page up (the block stride grows; the cache
     tensor's shape does not). Raises ValueError when not even one block fits.
     """
+    if isinstance(layer_specs, (str, bytes)) or not hasattr(layer_specs, "__iter__"):
+        raise ValueError(f"layer_specs: expected an iterable of LayerCacheSpec (see "
+                         f"policy.resolve_model), got {type(layer_specs).__name__}")
     specs: tuple[LayerCacheSpec, ...] = tuple(layer_specs)
     if not specs:
         raise ValueError("layer_specs: expected at least one layer")
@@ -198,8 +216,13 @@ def plan_pool(
             f"layer_specs: all layers must share one block_size (block ids are shared); "
             f"got {sorted(sizes)}"
         )
-    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes <= 0:
-        raise ValueError(f"memory_bytes: expected an integer > 0, got {memory_bytes!r}")
+    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes <= 0 \
+            or memory_bytes > MAX_MEMORY_BYTES:
+        shown = (f"an integer of {memory_bytes.bit_length()} bits"
+                 if isinstance(memory_bytes, int) and memory_bytes > MAX_MEMORY_BYTES
+                 else repr(memory_bytes))
+        raise ValueError(f"memory_bytes: expected an integer > 0 and <= {MAX_MEMORY_BYTES:,} "
+                         f"(int64 bytes), got {shown}")
     pages = [s.page_bytes(alignment) for s in specs]
     for s, page in zip(specs, pages):
         if page % s.storage_dtype.itemsize:
@@ -210,7 +233,10 @@ def plan_pool(
 
     # Padding between regions is under REGION_ALIGN per layer, so the estimate
     # from the per-block cost is at most a few blocks high; step down to fit.
-    num_blocks = memory_bytes // sum(pages)
+    # At most MAX_NUM_BLOCKS (int32 block ids): the loop below and every later
+    # use of the count are then bounded whatever the budget.
+    affordable = memory_bytes // sum(pages)
+    num_blocks = min(affordable, MAX_NUM_BLOCKS)
     while num_blocks > 0 and _layout(specs, pages, num_blocks)[2] > memory_bytes:
         num_blocks -= 1
     if num_blocks == 0:
@@ -220,6 +246,8 @@ def plan_pool(
             f"{len(specs)} layers ({need:,} bytes needed)"
         )
     offsets, region_bytes, used = _layout(specs, pages, num_blocks)
+    # The cap, not the budget, decided the count.
+    limited = affordable > MAX_NUM_BLOCKS and num_blocks == MAX_NUM_BLOCKS
     layers = tuple(
         LayerPlan(
             layer_index=s.layer_index,
@@ -235,11 +263,14 @@ def plan_pool(
         )
         for s, page, off, size in zip(specs, pages, offsets, region_bytes)
     )
-    return PoolPlan(num_blocks, specs[0].block_size, layers, used, memory_bytes, alignment)
+    return PoolPlan(num_blocks, specs[0].block_size, layers, used, memory_bytes, alignment,
+                    block_id_limited=limited)
 
 
 def plan_model(cache_config, model_config, memory_bytes: int, alignment: int | None = None):
-    """Resolve every layer of `model_config` under `cache_config`, then plan the pool."""
+    """Resolve every layer of `model_config` under `cache_config`, then plan the pool
+    (at most MAX_NUM_BLOCKS blocks: int32 block ids)."""
+    check_configs(cache_config, model_config)
     return plan_pool(resolve_model(cache_config, model_config), memory_bytes, alignment)
 
 
@@ -253,7 +284,7 @@ def render_plan(model_config, cache_config, memory_bytes: int, alignment: int | 
     model and cache config beside the plan. ValueError on any bad input."""
     m, c = model_config, cache_config
     plan = plan_model(c, m, memory_bytes, alignment)
-    if as_json:
+    if check_bool(as_json, "as_json"):
         doc = {
             "model": {"name": m.name, "L": m.L, "R": m.R, "P": m.P, "V": m.V,
                       "num_heads": m.num_heads, "num_layers": m.num_layers,

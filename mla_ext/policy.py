@@ -20,9 +20,29 @@ import torch
 from mla_ext.formats import CacheFormat, QuantMode, ScaleKind, get_format
 from mla_ext.models import MLAModelConfig
 
+try:  # numpy is optional: its bool scalar is accepted where a bool is expected
+    from numpy import bool_ as _np_bool
+except ImportError:  # pragma: no cover
+    _np_bool = bool
+
 SKIP_ARG = "kv_cache_dtype_skip_layers"
 SLIDING_WINDOW = "sliding_window"
 _DECIMAL = re.compile(r"[0-9]+")  # ASCII digits only: "١٢" and " 12" are not layer indices
+_MAX_INDEX_DIGITS = 9  # no model has a billion layers (models.MAX_NUM_LAYERS)
+
+
+def check_bool(value, arg: str, *, allow_none: bool = False) -> bool | None:
+    """`value` as a Python bool; True/False or a numpy bool only. Truthiness is
+    not a bool: `"no"`, `0`, `None` or a tensor would silently pick a branch
+    (`bool("no")` is True), so anything else is a ValueError naming `arg`.
+    With allow_none=True, None passes through (a documented "auto")."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, _np_bool)):
+        return bool(value)
+    also = " or None" if allow_none else ""
+    raise ValueError(f"{arg}: expected a bool (True or False){also}, got {value!r} "
+                     f"({type(value).__name__})")
 
 
 def parse_skip_entry(entry) -> int | str:
@@ -38,6 +58,10 @@ def parse_skip_entry(entry) -> int | str:
                 f"{SKIP_ARG}: entry {entry!r} is not a layer index (decimal digits) "
                 f"nor '{SLIDING_WINDOW}'"
             )
+        if len(entry) > _MAX_INDEX_DIGITS:
+            raise ValueError(f"{SKIP_ARG}: entry {entry[:20]!r}... ({len(entry)} digits) is not "
+                             f"a layer index of any model; expected at most "
+                             f"{_MAX_INDEX_DIGITS} digits")
         return int(entry)
     try:
         index = operator.index(entry)  # ints and numpy integers, not floats
@@ -88,10 +112,8 @@ class CacheConfig:
         b = self.block_size
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
             raise ValueError(f"block_size: expected an integer > 0, got {b!r}")
-        if not isinstance(self.calculate_kv_scales, bool):
-            raise ValueError(
-                f"calculate_kv_scales: expected a bool, got {self.calculate_kv_scales!r}"
-            )
+        object.__setattr__(self, "calculate_kv_scales",
+                           check_bool(self.calculate_kv_scales, "calculate_kv_scales"))
 
     @property
     def skip_indices(self) -> frozenset:
@@ -103,6 +125,7 @@ class CacheConfig:
 
     def check_against(self, model: MLAModelConfig) -> None:
         """Skip indices must name layers of `model`."""
+        check_configs(self, model, cache_arg="self", model_arg="model")
         bad = sorted(i for i in self.skip_indices if i >= model.num_layers)
         if bad:
             raise ValueError(
@@ -221,6 +244,19 @@ def _layer_index(model: MLAModelConfig, layer, prefix) -> int:
     return index
 
 
+def check_configs(cache_config, model_config, cache_arg: str = "cache_config",
+                  model_arg: str = "model_config") -> None:
+    """The two config objects are what they claim to be (a dict or a model name
+    instead would fail later, vaguely, with an AttributeError)."""
+    if not isinstance(cache_config, CacheConfig):
+        raise ValueError(f"{cache_arg}: expected a CacheConfig (mla_ext.policy), got "
+                         f"{type(cache_config).__name__}")
+    if not isinstance(model_config, MLAModelConfig):
+        raise ValueError(f"{model_arg}: expected an MLAModelConfig (e.g. "
+                         f"mla_ext.models.get_model_config('deepseek-v3')), got "
+                         f"{type(model_config).__name__}")
+
+
 def resolve_layer(
     cache_config: CacheConfig,
     model_config: MLAModelConfig,
@@ -228,6 +264,7 @@ def resolve_layer(
     prefix: str | None = None,
 ) -> LayerCacheSpec:
     """The cache spec of one layer, given its index or its module prefix."""
+    check_configs(cache_config, model_config)
     cache_config.check_against(model_config)
     index = _layer_index(model_config, layer, prefix)
     requested = get_format(cache_config.kv_cache_dtype, "kv_cache_dtype")
@@ -265,7 +302,9 @@ def resolve_layer(
 def resolve_model(
     cache_config: CacheConfig, model_config: MLAModelConfig
 ) -> tuple[LayerCacheSpec, ...]:
-    """The cache spec of every layer, in layer order."""
+    """The cache spec of every layer, in layer order (O(num_layers): the model
+    config bounds it, models.MAX_NUM_LAYERS)."""
+    check_configs(cache_config, model_config)
     return tuple(
         resolve_layer(cache_config, model_config, layer=i) for i in range(model_config.num_layers)
     )

@@ -17,7 +17,9 @@ chunk in per-request global order, padding removed.
 
 Lengths and starts are host-side integers (the chunk planner owns them), so
 buffer sizes need no sync; the reorder map itself is built with torch ops on
-the device.
+the device, and the gather's int32 offsets reach the device through pinned
+memory with non_blocking=True (`prefill.chunking.host_to_device`, the same
+helper as the prefill layer's chunk metadata): no host sync, capturable.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from mla_ext.policy import check_bool
+from mla_ext.prefill.chunking import host_to_device, lengths
 
 GatherFn = Callable[..., object]
 
@@ -63,6 +68,9 @@ def cp_local_lens(ctx_lens, cp_size: int, rank: int, interleave: int):
     _check_cp(cp_size, interleave, rank)
     if isinstance(ctx_lens, (Tensor, int)):
         return _count_below(ctx_lens, rank, cp_size, interleave)
+    if isinstance(ctx_lens, (str, bytes)) or not hasattr(ctx_lens, "__iter__"):
+        raise ValueError(f"ctx_lens: expected an int, a sequence of ints or an integer tensor, "
+                         f"got {type(ctx_lens).__name__}")
     return [_count_below(int(n), rank, cp_size, interleave) for n in ctx_lens]
 
 
@@ -79,11 +87,11 @@ def _count_below(n, rank, cp_size: int, interleave: int):
 
 
 def _host_ints(x, n: int, arg: str) -> list[int]:
-    vals = [int(v) for v in (x.tolist() if isinstance(x, Tensor) else x)]
+    """Host ints >= 0, one per request; checked like the chunk planner's lengths (a
+    float or a bool is an error, not truncated; a device tensor would sync)."""
+    vals = lengths(x, arg)
     if len(vals) != n:
         raise ValueError(f"{arg}: expected {n} entries (one per request), got {len(vals)}")
-    if any(v < 0 for v in vals):
-        raise ValueError(f"{arg}: expected non-negative values, got {vals}")
     return vals
 
 
@@ -139,6 +147,9 @@ def cp_reorder(gathered: Tensor, seq_lens: Sequence[int], seq_starts: Sequence[i
                cp_size: int, interleave: int, out: Tensor | None = None) -> Tensor:
     """All-gathered `[cp_size * padded_rows, E]` (or `[cp_size, padded_rows, E]`) -> the
     chunks in per-request global order, `[sum(seq_lens), E]` (written into `out` if given)."""
+    for arg, t in (("gathered", gathered), ("out", out)):
+        if t is not None and not isinstance(t, Tensor):
+            raise ValueError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
     flat = gathered.reshape(-1, gathered.shape[-1])
     if flat.shape[0] % cp_size:
         raise ValueError(f"gathered: expected a multiple of cp_size={cp_size} rows, got {flat.shape[0]}")
@@ -201,6 +212,7 @@ def cp_gather_context(
     src_cache: Tensor, dst: Tensor, block_table: Tensor, seq_lens: Sequence[int],
     kv_cache_dtype: str, k_scale: Tensor | None, *, cp_size: int, rank: int, interleave: int,
     seq_starts: Sequence[int] | None = None, group=None, gather: GatherFn | None = None,
+    validate: bool = False,
 ) -> Tensor:
     """Gathers chunk `[seq_starts[r], +seq_lens[r])` of every request into `dst[:sum]`.
 
@@ -209,12 +221,17 @@ def cp_gather_context(
     GLOBAL chunk lengths/starts (host ints, identical on every rank). `dst` is
     `[>= sum(seq_lens), W]` with the gather's output dtype and width; rows past the
     sum are untouched. `gather` has the signature of `gather_and_maybe_dequant_cache`
-    (default: that public op).
+    (default: that public op). `validate=True` is passed on to it (its checked mode:
+    reads the block table on the host, a sync; see mla_ext.cache.api).
     Returns `dst[:sum(seq_lens)]`.
     """
     _check_cp(cp_size, interleave, rank)
-    num_reqs = len(seq_lens)
-    lens = _host_ints(seq_lens, num_reqs, "seq_lens")
+    for arg, t in (("src_cache", src_cache), ("dst", dst), ("block_table", block_table)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
+    validate = check_bool(validate, "validate")
+    lens = lengths(seq_lens, "seq_lens")
+    num_reqs = len(lens)
     starts = _host_ints(seq_starts, num_reqs, "seq_starts") if seq_starts is not None else None
     total = sum(lens)
     if dst.dim() != 2 or dst.shape[0] < total:
@@ -227,10 +244,11 @@ def cp_gather_context(
     local_lens, local_starts = cp_local_chunk(lens, starts, cp_size, rank, interleave)
     padded = cp_padded_rows(lens, starts, cp_size, interleave)
     local = dst.new_empty(max(padded, 1), dst.shape[1])  # padding rows are never read
-    dev = dict(dtype=torch.int32, device=src_cache.device)
     if num_reqs:
-        gather(src_cache, local, block_table, torch.tensor(_cumsum0(local_lens), **dev), num_reqs,
-               kv_cache_dtype, k_scale, torch.tensor(local_starts, **dev))
+        extra = {"validate": True} if validate else {}
+        gather(src_cache, local, block_table, host_to_device(_cumsum0(local_lens), src_cache.device),
+               num_reqs, kv_cache_dtype, k_scale, host_to_device(local_starts, src_cache.device),
+               **extra)
     if cp_size == 1:
         gathered = local
     else:

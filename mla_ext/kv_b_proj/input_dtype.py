@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from mla_ext.policy import check_bool
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPES = tuple(
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -62,11 +64,20 @@ def _params_dtype(layer, why: str) -> torch.dtype:
 
 
 def kv_b_proj_input_dtype(layer, use_fp8_prefill: bool) -> torch.dtype | None:
-    """The dtype to cast kv_c to before `layer`, or None for "no cast" (see module doc)."""
+    """The dtype to cast kv_c to before `layer`, or None for "no cast" (see module doc).
+
+    `use_fp8_prefill` must be a bool (or numpy bool): "no" or 0 is a ValueError, since
+    truthiness would turn FP8 prefill on for "no"."""
+    use_fp8_prefill = check_bool(use_fp8_prefill, "use_fp8_prefill")
     weight = getattr(layer, "weight", None)
     if weight is None:
         return _params_dtype(layer, "it has no `.weight` (GPTQ/AWQ-style weight-only layer)")
-    wd = weight.dtype
+    wd = getattr(weight, "dtype", None)
+    if not isinstance(wd, torch.dtype):
+        raise ValueError(
+            f"kv_b_proj layer {type(layer).__name__}: `.weight` must be a tensor (with a torch "
+            f"dtype), got {type(weight).__name__}"
+        )
     if wd in FLOAT_DTYPES:
         return wd
     if wd in FP8_DTYPES:

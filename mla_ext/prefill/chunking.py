@@ -48,27 +48,58 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 MAX_DEFAULT_WORKSPACE_ROWS = 64 * 1024
+# Token positions, row offsets (cu_seq_lens, cu_seqlens_q) and seq_starts reach
+# the kernels as int32: every context length, the workspace rows and the total
+# query rows must fit.
+INT32_MAX = 2**31 - 1
+# The most chunks one batch may take. Every chunk costs each layer a gather, a
+# kv_b_proj GEMM and an attention launch, so a plan past this bound is a
+# mistake (a tiny workspace, or a corrupt length), not a workload: 65,536
+# chunks are 4M context tokens even of a 64-row workspace, and the whole int32
+# range of the default 65,536-row one. Planning that many takes about 0.5 s.
+MAX_CONTEXT_CHUNKS = 1 << 16
 
 
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+def _show(v) -> str:
+    """repr, except for ints too long to print (str() refuses past 4,300 digits)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v).bit_length() > 64:
+        return f"{'a negative' if v < 0 else 'an'} integer of {abs(v).bit_length()} bits"
+    return repr(v)
+
+
 def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        raise ValueError(f"{name}: expected a positive integer, got {_show(value)}")
     return value
 
 
 def lengths(values: Sequence[int], name: str) -> list[int]:
-    """Host token counts as ints >= 0 (numpy integers accepted). Not coerced:
-    int(5.5) or a bool would silently plan a different batch."""
+    """Host token counts as ints >= 0 (numpy integers and a CPU integer tensor
+    accepted). Not coerced: int(5.5) or a bool would silently plan a different batch."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu" or values.dim() != 1 or values.is_floating_point():
+            raise ValueError(
+                f"{name}: expected host ints (a list, or a 1-D integer CPU tensor: reading a "
+                f"device tensor would sync), got a {values.dim()}-D {values.dtype} tensor on "
+                f"{values.device}"
+            )
+        values = values.tolist()
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise ValueError(
+            f"{name}: expected a sequence of ints >= 0 (one per request), got "
+            f"{type(values).__name__}"
+        )
     out = []
     for i, v in enumerate(values):
         try:
@@ -76,7 +107,7 @@ def lengths(values: Sequence[int], name: str) -> list[int]:
         except TypeError:
             n = None
         if n is None or n < 0:
-            raise ValueError(f"{name}[{i}]: expected an int >= 0, got {v!r}")
+            raise ValueError(f"{name}[{i}]: expected an int >= 0, got {_show(v)}")
         out.append(n)
     return out
 
@@ -111,7 +142,13 @@ def workspace_rows(
     _positive_int(max_num_seqs, "max_num_seqs")
     align = workspace_alignment(block_size, cp_size, cp_interleave)
     if override is not None:
-        return _round_up(_positive_int(override, "override (workspace rows)"), align)
+        rows = _round_up(_positive_int(override, "override (workspace rows)"), align)
+        if rows > INT32_MAX:
+            raise ValueError(
+                f"override (workspace rows): expected at most {INT32_MAX} rows (int32 row "
+                f"offsets) after rounding up to {align}, got {_show(override)}"
+            )
+        return rows
     w = min(max(8 * max_model_len, 4 * max_num_seqs * block_size), MAX_DEFAULT_WORKSPACE_ROWS)
     return _round_up(max(w, align), align)
 
@@ -170,13 +207,29 @@ class ContextChunk:
         return max(b - a for a, b in zip(self.cu_seqlens_q, self.cu_seqlens_q[1:]))
 
     def tensors(self, device: torch.device | str = "cpu") -> ChunkTensors:
-        def t(values):
-            host = torch.tensor(values, dtype=torch.int32)
-            if torch.device(device).type == "cuda":
-                host = host.pin_memory()
-            return host.to(device, non_blocking=True)
+        return ChunkTensors(host_to_device(self.cu_seq_lens, device),
+                            host_to_device(self.seq_starts, device),
+                            host_to_device(self.cu_seqlens_q, device))
 
-        return ChunkTensors(t(self.cu_seq_lens), t(self.seq_starts), t(self.cu_seqlens_q))
+
+def host_to_device(values: Sequence[int], device: torch.device | str,
+                   dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Host ints as a `dtype` tensor on `device`, without a host sync.
+
+    For a CUDA device the values are staged in pinned (page-locked) memory and
+    copied with non_blocking=True: the copy is queued on the current stream and
+    the host goes on (a copy from pageable memory waits for it, and cannot be
+    captured in a CUDA graph). torch's pinned-memory allocator keeps the staging
+    buffer alive until the copy has run. Every per-batch metadata copy (chunk
+    offsets, cu_seqlens_q, the context-parallel gather's offsets) goes through here.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -206,6 +259,11 @@ def plan_context_chunks(
     the returned chunks satisfy: every context row of every request is in
     exactly one chunk; no chunk has more than W rows; only a chunk's first
     request can continue from an earlier chunk; split points are multiples of A.
+
+    Bounded: O(num_reqs + chunks) time, and ValueError (before any loop over
+    chunks) when a context length, W or the total query rows exceed int32
+    (`INT32_MAX`), or when the plan would need more than `MAX_CONTEXT_CHUNKS`
+    chunks.
     """
     ctx = lengths(context_lens, "context_lens")
     qlens = lengths(query_lens, "query_lens")
@@ -217,10 +275,27 @@ def plan_context_chunks(
     A = _positive_int(alignment, "alignment")
     if W % A:
         raise ValueError(f"workspace_rows: expected a multiple of the alignment {A}, got {W}")
-
+    if W > INT32_MAX:
+        raise ValueError(f"workspace_rows: expected at most {INT32_MAX} (int32 row offsets), "
+                         f"got {_show(W)}")
+    # O(num_reqs) bounds in front of the loop, whose length comes from the lengths.
+    for r, n in enumerate(ctx):
+        if n > INT32_MAX:
+            raise ValueError(
+                f"context_lens[{r}]: expected at most {INT32_MAX} tokens (int32 positions), got "
+                f"{_show(n)}"
+            )
     qsl = [0]
     for x in qlens:
         qsl.append(qsl[-1] + x)
+    if qsl[-1] > INT32_MAX:
+        raise ValueError(
+            f"query_lens: expected at most {INT32_MAX} query rows in all (int32 offsets), "
+            f"got {_show(qsl[-1])}"
+        )
+    total = sum(ctx)
+    if -(-total // W) > MAX_CONTEXT_CHUNKS:  # every chunk holds at most W rows
+        _too_many_chunks(W, total, -(-total // W))
 
     chunks: list[ContextChunk] = []
     # State of the chunk being filled.
@@ -234,6 +309,8 @@ def plan_context_chunks(
         while cur_reqs and cur_reqs[-1][2] == 0:
             cur_reqs.pop()
         if cur_reqs:
+            if len(chunks) == MAX_CONTEXT_CHUNKS:  # split points can cost up to A-1 rows a chunk
+                _too_many_chunks(W, total, len(chunks) + 1)
             chunks.append(_make_chunk(len(chunks), cur_reqs, qsl, continuation))
         cur_reqs, used, continuation = [], 0, False
 
@@ -269,6 +346,14 @@ def plan_context_chunks(
         chunks=tuple(chunks),
         empty_req_ids=tuple(r for r in no_ctx if r not in covered),
         no_context_req_ids=no_ctx,
+    )
+
+
+def _too_many_chunks(W: int, total: int, at_least: int) -> None:
+    raise ValueError(
+        f"workspace_rows: {W} rows would take at least {at_least:,} chunks for {_show(total)} context "
+        f"rows; at most {MAX_CONTEXT_CHUNKS:,} chunks are planned (each costs every layer a "
+        f"gather, a GEMM and an attention launch): use a larger workspace or check context_lens"
     )
 
 

@@ -13,26 +13,43 @@ kv_b_proj weights, never from a global cache dtype:
 `forward` then runs SPEC §1: causal attention of the new tokens, the context
 in chunks (gather -> up-project -> non-causal attention with LSE -> merge),
 and the final merge. `explain()` prints the resolved plan.
+
+Checks (`forward`):
+  * always, on host data only (no sync, O(1) per argument or O(num_reqs)):
+    argument types, shapes, dtypes and devices; every request's context fits
+    its block-table row (context_lens[r] <= block_table.shape[1] * block_size,
+    the rank's local share under context parallelism); the metadata's
+    block size, when it states one, is the layer's;
+  * block ids in [0, num_blocks) for every block a request uses
+    (`mla_ext.cache.checks.check_block_ids`, the gather API's validate=True
+    check) reads the block table: `validate=True` always checks (a host sync
+    on a GPU: not for CUDA graphs), `validate=False` never does, and the
+    default `validate=None` checks exactly when that is free, i.e. when the
+    block table is on the CPU. Unchecked, an out-of-range id gathers zero rows
+    (the gather's documented out-of-range result), and those zero keys take
+    part in the softmax: the result is wrong, not a crash.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from mla_ext.attention.api import merge_attn_states, varlen_attention
 from mla_ext.cache import api as cache_api
-from mla_ext.cache.context_parallel import cp_gather_context
+from mla_ext.cache import checks as cache_checks
+from mla_ext.cache.context_parallel import cp_gather_context, cp_local_lens
 from mla_ext.formats import QuantMode, ScaleKind
 from mla_ext.kv_b_proj.input_dtype import kv_b_proj_input_dtype
 from mla_ext.kv_b_proj.linear import KvBProj
 from mla_ext.kv_b_proj.weights import WeightFormat
 from mla_ext.models import MLAModelConfig
-from mla_ext.policy import CacheConfig, LayerCacheSpec, resolve_layer
+from mla_ext.policy import CacheConfig, LayerCacheSpec, check_bool, check_configs, resolve_layer
 from mla_ext.prefill.chunking import (
     ChunkPlan,
+    host_to_device,
     lengths,
     plan_context_chunks,
     workspace_alignment,
@@ -72,48 +89,91 @@ class ContextParallel:
             raise ValueError(f"rank: expected an int in [0, {self.cp_size}), got {self.rank!r}")
 
 
-@dataclass
 class PrefillMetadata:
     """Per-batch inputs shared by every layer of a forward pass.
 
     block_table [num_reqs, max_blocks] int32 (block ids, shared by all layers);
-    context_lens / query_lens: host lists (the scheduler knows them; planning
+    context_lens / query_lens: host ints (the scheduler knows them; planning
     chunks needs no device sync). k_scale: fp32 [1] per-tensor K scale for
     per-tensor fp8 layers (ignored by others); a default only, since K scales
     are per layer: `MLAPrefill.forward(..., k_scale=)` overrides it.
+    block_size (optional, keyword): the block size the block table was built
+    for; when given, a layer with another block size refuses the metadata
+    (block ids mean different token ranges there). Pass it: without it that
+    mistake cannot be detected.
+
+    Immutable: layers share the chunk plans and device copies cached here,
+    keyed on what each depends on (`plan`: workspace rows and alignment;
+    `chunk_tensors`: the chunk and the device; `cu_seqlens_q`: the device), so
+    assigning a field would leave them stale. Build a new PrefillMetadata for a
+    new batch; assigning or deleting an attribute raises ValueError.
     """
 
-    block_table: Tensor
-    context_lens: tuple[int, ...]
-    query_lens: tuple[int, ...]
-    k_scale: Tensor | None = None
-    _plans: dict = field(default_factory=dict, repr=False)
-    _cu_q: dict = field(default_factory=dict, repr=False)
-    _chunk_t: dict = field(default_factory=dict, repr=False)
+    __slots__ = ("block_table", "context_lens", "query_lens", "k_scale", "block_size",
+                 "max_context_len", "_plans", "_cu_q", "_chunk_t")
 
-    def __post_init__(self):
-        self.context_lens = tuple(lengths(self.context_lens, "context_lens"))
-        self.query_lens = tuple(lengths(self.query_lens, "query_lens"))
-        if len(self.context_lens) != len(self.query_lens):
+    def __init__(self, block_table: Tensor, context_lens, query_lens, k_scale: Tensor | None = None,
+                 *, block_size: int | None = None):
+        ctx = tuple(lengths(context_lens, "context_lens"))
+        qlens = tuple(lengths(query_lens, "query_lens"))
+        if len(ctx) != len(qlens):
             raise ValueError(
-                f"query_lens: expected {len(self.context_lens)} entries (as context_lens), "
-                f"got {len(self.query_lens)}"
+                f"query_lens: expected {len(ctx)} entries (as context_lens), got {len(qlens)}"
             )
-        bt = self.block_table
+        bt = block_table
         if not isinstance(bt, Tensor) or bt.dim() != 2 or bt.dtype != torch.int32:
-            raise ValueError("block_table: expected an int32 tensor [num_reqs, max_blocks]")
-        if bt.size(0) < len(self.context_lens):
+            got = (f"a {bt.dim()}-D {bt.dtype} tensor" if isinstance(bt, Tensor)
+                   else type(bt).__name__)
+            raise ValueError(f"block_table: expected an int32 tensor [num_reqs, max_blocks], got {got}")
+        if bt.size(0) < len(ctx):
             raise ValueError(
-                f"block_table: expected >= {len(self.context_lens)} rows (one per request), "
-                f"got {bt.size(0)}"
+                f"block_table: expected >= {len(ctx)} rows (one per request), got {bt.size(0)}"
             )
+        if k_scale is not None and (not isinstance(k_scale, Tensor) or k_scale.dtype != torch.float32
+                                    or k_scale.numel() != 1):
+            got = (f"{k_scale.dtype} of shape {tuple(k_scale.shape)}" if isinstance(k_scale, Tensor)
+                   else type(k_scale).__name__)
+            raise ValueError(f"k_scale: expected a float32 tensor [1] or None, got {got}")
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                       or block_size <= 0):
+            raise ValueError(f"block_size: expected a positive integer or None, got {block_size!r}")
+        init = object.__setattr__
+        init(self, "block_table", bt)
+        init(self, "context_lens", ctx)
+        init(self, "query_lens", qlens)
+        init(self, "k_scale", k_scale)
+        init(self, "block_size", block_size)
+        init(self, "max_context_len", max(ctx, default=0))
+        init(self, "_plans", {})
+        init(self, "_cu_q", {})
+        init(self, "_chunk_t", {})
+
+    def __setattr__(self, name, value):
+        raise ValueError(
+            f"{name}: PrefillMetadata is immutable (every layer shares the chunk plan and device "
+            "copies cached from it); build a new PrefillMetadata for a new batch"
+        )
+
+    def __delattr__(self, name):
+        self.__setattr__(name, None)
+
+    def __repr__(self) -> str:
+        return (f"PrefillMetadata(block_table={tuple(self.block_table.shape)} on "
+                f"{self.block_table.device}, context_lens={self.context_lens}, "
+                f"query_lens={self.query_lens}, k_scale={self.k_scale!r}, "
+                f"block_size={self.block_size})")
 
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
     def plan(self, rows: int, alignment: int) -> ChunkPlan:
-        """The chunk plan for a workspace of `rows` (cached: layers share it)."""
+        """The chunk plan for a workspace of `rows` (cached: layers share it).
+
+        Keyed on (rows, alignment): with the (immutable) lengths that is all a
+        plan depends on. The block size enters only through the alignment
+        (B, or lcm(B, cp_size * I)), so layers of different block sizes with
+        the same alignment share a plan that is valid for both."""
         key = (rows, alignment)
         if key not in self._plans:
             self._plans[key] = plan_context_chunks(self.context_lens, self.query_lens, rows, alignment)
@@ -125,15 +185,13 @@ class PrefillMetadata:
             offs = [0]
             for n in self.query_lens:
                 offs.append(offs[-1] + n)
-            host = torch.tensor(offs, dtype=torch.int32)
-            if device.type == "cuda":  # pinned + async: no host sync, capturable
-                host = host.pin_memory()
-            self._cu_q[device] = host.to(device, non_blocking=True)
+            self._cu_q[device] = host_to_device(offs, device)  # pinned + async on CUDA
         return self._cu_q[device]
 
     def chunk_tensors(self, chunk, device):
         """A chunk's int32 metadata on `device`, copied once per batch: every
-        layer with the same plan reuses it (one host-to-device copy, not one per layer)."""
+        layer with the same plan reuses it (one host-to-device copy, not one per layer).
+        Keyed on the chunk's value (all its offsets) and the device."""
         key = (chunk, torch.device(device))
         if key not in self._chunk_t:
             self._chunk_t[key] = chunk.tensors(device)
@@ -156,7 +214,16 @@ class MLAPrefill:
         workspace_rows_override: int | None = None,
         softmax_scale: float | None = None,
         context_parallel: ContextParallel | None = None,
+        validate: bool | None = None,
     ):
+        """`validate`: the block-id range check of `forward` (module docstring):
+        True always (a host sync on a GPU), False never, None (default) only when
+        it is free (block table on the CPU). `forward(validate=)` overrides it."""
+        check_configs(cache_config, model, model_arg="model")
+        if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
+            raise ValueError(f"context_parallel: expected a ContextParallel or None, got "
+                             f"{type(context_parallel).__name__}")
+        self.validate = check_bool(validate, "validate", allow_none=True)
         self.model = model
         self.spec: LayerCacheSpec = resolve_layer(cache_config, model, layer=layer, prefix=prefix)
         self.kv_b_proj = kv_b_proj if isinstance(kv_b_proj, KvBProj) else KvBProj(kv_b_proj)
@@ -166,7 +233,7 @@ class MLAPrefill:
                 f"kv_b_proj: expected a [{want_n}, {model.L}] weight (N*(P+V), L) for "
                 f"{model.name}, got [{self.kv_b_proj.N}, {self.kv_b_proj.K}]"
             )
-        self.use_fp8_prefill = bool(use_fp8_prefill)
+        self.use_fp8_prefill = check_bool(use_fp8_prefill, "use_fp8_prefill")
         self._unit_scale: dict[torch.device, Tensor] = {}
         # SPEC §5: a pure function of the layer. None means "no cast": the
         # activations stay in the model dtype (the linear quantizes itself).
@@ -247,11 +314,23 @@ class MLAPrefill:
         return cache_api.compute_kv_scale(kv_c, k_pe, self.spec.kv_cache_dtype)
 
     def write_cache(self, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                    k_scale: Tensor | None = None) -> None:
-        """Stores new tokens in this layer's cache, in this layer's format."""
+                    k_scale: Tensor | None = None, *, validate: bool | None = None) -> None:
+        """Stores new tokens in this layer's cache, in this layer's format.
+
+        `validate` (None: the layer's setting) as in `forward`: the slot range check
+        of `concat_and_cache_mla(validate=True)`, by default only where it is free
+        (slot_mapping on the CPU)."""
+        validate = check_bool(validate, "validate", allow_none=True)
+        if not isinstance(kv_c, Tensor):
+            raise ValueError(f"kv_c: expected a torch.Tensor, got {type(kv_c).__name__}")
         self.check_cache(kv_cache)
         scale = self._k_scale(k_scale, kv_c.device)
-        cache_api.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, self.spec.kv_cache_dtype, scale)
+        if validate is None:
+            validate = self.validate
+        if validate is None:
+            validate = isinstance(slot_mapping, Tensor) and slot_mapping.device.type == "cpu"
+        cache_api.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, self.spec.kv_cache_dtype,
+                                       scale, validate=validate)
 
     def check_cache(self, kv_cache: Tensor) -> None:
         s = self.spec
@@ -340,9 +419,63 @@ class MLAPrefill:
                 seq_starts=c.seq_starts, group=self.cp.group,
             )
 
+    @staticmethod
+    def _check_types(q, kv_c_normed, k_pe, kv_cache, metadata, clock, k_scale) -> None:
+        """Arguments are what forward reads (else a vague AttributeError later)."""
+        for name, x in (("q", q), ("kv_c_normed", kv_c_normed), ("k_pe", k_pe),
+                        ("kv_cache", kv_cache)):
+            if not isinstance(x, Tensor):
+                raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if not isinstance(metadata, PrefillMetadata):
+            raise ValueError(f"metadata: expected a PrefillMetadata, got {type(metadata).__name__}")
+        if clock is not None and not (callable(getattr(clock, "mark", None))
+                                      and callable(getattr(clock, "start", None))):
+            raise ValueError(f"clock: expected None or an object with start() and mark(step) "
+                             f"(mla_ext.prefill.timing.StepClock), got {type(clock).__name__}")
+        if k_scale is not None and not isinstance(k_scale, Tensor):
+            raise ValueError(f"k_scale: expected a float32 tensor [1] or None, got "
+                             f"{type(k_scale).__name__}")
+
+    def _local_lens(self, lens):
+        """This rank's share of each context length (the block table is local under CP)."""
+        if self.cp is None:
+            return lens
+        return cp_local_lens(lens, self.cp.cp_size, self.cp.rank, self.cp.interleave)
+
+    def _check_table(self, metadata: PrefillMetadata, kv_cache: Tensor, validate: bool | None) -> None:
+        """The block table covers every request's context (host ints, O(1) unless it
+        fails); with validate, every block id a request uses is in [0, num_blocks)."""
+        B = self.spec.block_size
+        if metadata.block_size is not None and metadata.block_size != B:
+            raise ValueError(
+                f"metadata: built for block_size {metadata.block_size}, but layer "
+                f"{self.layer_index} has block_size {B} (its block ids mean other tokens); "
+                "build a PrefillMetadata for this block size"
+            )
+        bt = metadata.block_table
+        width = bt.shape[1]
+        # The local share is monotone in the global length: the longest context
+        # needs the most blocks, so one comparison covers every request.
+        if self._local_lens(metadata.max_context_len) > width * B:
+            for r, n in enumerate(metadata.context_lens):
+                local = self._local_lens(n)
+                if local > width * B:
+                    mine = (f" ({local} of them on context-parallel rank {self.cp.rank})"
+                            if self.cp is not None else "")
+                    raise ValueError(
+                        f"context_lens[{r}]: {n} tokens{mine} need {-(-local // B)} blocks of "
+                        f"{B}, but metadata.block_table has {width} columns ({width * B} tokens)"
+                    )
+        if validate is None:
+            validate = bt.device.type == "cpu"  # free there: no device sync
+        if validate:
+            lens = self._local_lens(list(metadata.context_lens))
+            cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
+            cache_checks.check_block_ids(bt, cu, len(lens), None, kv_cache.shape[0], B)
+
     def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
                 metadata: PrefillMetadata, clock=None, *, k_scale: Tensor | None = None,
-                workspace: Tensor | None = None) -> Tensor:
+                workspace: Tensor | None = None, validate: bool | None = None) -> Tensor:
         """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V].
 
         `k_scale`: this layer's per-tensor fp32 K scale [1] (per-tensor fp8 layers;
@@ -356,7 +489,12 @@ class MLAPrefill:
 
         `clock` (optional, for profiling; see mla_ext.prefill.timing.StepClock)
         gets `clock.mark(step)` after every step.
+
+        `validate`: the block-id range check for this call (True / False), or None
+        (default) for the layer's setting (see the module docstring).
         """
+        validate = check_bool(validate, "validate", allow_none=True)
+        self._check_types(q, kv_c_normed, k_pe, kv_cache, metadata, clock, k_scale)
         m = self.model
         T = metadata.num_tokens
         if q.dim() != 3 or tuple(q.shape) != (T, m.num_heads, m.P + m.R):
@@ -376,6 +514,7 @@ class MLAPrefill:
             if x.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (as q), got {x.device}")
         self.check_cache(kv_cache)
+        self._check_table(metadata, kv_cache, self.validate if validate is None else validate)
         device, dtype = q.device, q.dtype
         cu_q = metadata.cu_seqlens_q(device)
         max_q = max(metadata.query_lens, default=0)
