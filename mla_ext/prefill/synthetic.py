@@ -58,7 +58,8 @@ class SyntheticBatch:
         return sum(self.q_lens)
 
     def metadata(self, k_scale: Tensor | None = None) -> PrefillMetadata:
-        return PrefillMetadata(self.block_table, self.ctx_lens, self.q_lens, k_scale)
+        return PrefillMetadata(self.block_table, self.ctx_lens, self.q_lens, k_scale,
+                               block_size=self.block_size)
 
     def layer_context(self, layer_index: int) -> tuple[Tensor, Tensor]:
         """This layer's context latents: (kv_c [sum ctx, L], k_pe [sum ctx, R]) in the model dtype."""
