@@ -619,6 +619,8 @@ void marlin_check_shape(int64_t N, int64_t K, int64_t group_size) {
 
 int64_t marlin_groups(int64_t K, int64_t group_size) { return group_size > 0 ? K / group_size : 1; }
 
+const char* marlin_act_name(c10::ScalarType t) { return t == at::kHalf ? "torch.float16" : "torch.bfloat16"; }
+
 // A failed launch (e.g. no kernel image for this GPU) must raise, not return
 // an output that was never written.
 [[maybe_unused]] void marlin_check_launch(int err, const char* op) {
@@ -630,27 +632,30 @@ void marlin_check_aligned16(const at::Tensor& t, const char* arg) {
                     ": expected a 16-byte aligned data pointer (cp.async)");
 }
 
-// The packed pair as written by marlin_fp8_repack; checked before every read.
+// The packed pair in vLLM's Marlin layout (marlin_fp8.h): qweight int32
+// [K/16, 4*N_pad], scales [G, N_pad] in the activation dtype; checked before every read.
 void marlin_check_packed(const at::Tensor& qweight, const at::Tensor& scales, int64_t N, int64_t K,
-                         int64_t group_size) {
+                         int64_t group_size, c10::ScalarType act_dtype) {
   marlin_check_shape(N, K, group_size);
   const int64_t n_pad = mf::padded_n(N), G = marlin_groups(K, group_size);
   TORCH_CHECK_VALUE(qweight.scalar_type() == at::kInt, "qweight: expected torch.int32, got ",
                     qweight.scalar_type());
-  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.size(0) == n_pad / mf::kTileN && qweight.size(1) == 16 * K,
-                    "qweight: expected shape [", n_pad / mf::kTileN, ", ", 16 * K, "], got ", qweight.sizes());
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.size(0) == K / mf::kTileK && qweight.size(1) == 4 * n_pad,
+                    "qweight: expected shape [K/16, 4*N_pad] = [", K / mf::kTileK, ", ", 4 * n_pad,
+                    "] (vLLM's Marlin layout, N_pad = N rounded up to 64), got ", qweight.sizes());
   TORCH_CHECK_VALUE(qweight.is_contiguous(), "qweight: expected a contiguous tensor");
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat, "scales: expected torch.float32, got ",
-                    scales.scalar_type());
+  TORCH_CHECK_VALUE(scales.scalar_type() == act_dtype, "scales: expected ", marlin_act_name(act_dtype),
+                    " (the activation dtype, exponent bias folded), got ", scales.scalar_type());
   TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == G && scales.size(1) == n_pad,
-                    "scales: expected packed shape [", G, ", ", n_pad, "], got ", scales.sizes());
+                    "scales: expected packed shape [G, N_pad] = [", G, ", ", n_pad, "], got ", scales.sizes());
   TORCH_CHECK_VALUE(scales.is_contiguous(), "scales: expected a contiguous tensor");
   TORCH_CHECK_VALUE(scales.device() == qweight.device(), "scales: expected device ", qweight.device(),
                     " (as qweight), got ", scales.device());
 }
 
 // fp8 [N, K] + fp32 scales ([N] per-channel, or [K/128, N] group-128) ->
-// (qweight int32 [N_pad/64, 16K], scales fp32 [G, N_pad] permuted, 2^fold folded).
+// (qweight int32 [K/16, 4*N_pad], scales [G, N_pad] in act_dtype: times 2^fold in
+// fp32, rounded once, permuted) -- vLLM's Marlin layout (marlin_fp8.h).
 // Validation syncs the host once; this runs at weight-load time, not per step.
 std::tuple<at::Tensor, at::Tensor> marlin_fp8_repack(const at::Tensor& w, const at::Tensor& scales,
                                                      int64_t group_size, c10::ScalarType act_dtype) {
@@ -678,20 +683,22 @@ std::tuple<at::Tensor, at::Tensor> marlin_fp8_repack(const at::Tensor& w, const 
   TORCH_CHECK_VALUE(!wc.bitwise_and(0x7f).eq(0x7f).any().item<bool>(), "w_fp8: contains NaN (0x7f/0xff); ",
                     "NaN weights are not supported by the Marlin fp8 path");
   TORCH_CHECK_VALUE(sc.isfinite().all().item<bool>(), "scales: expected finite values");
+  // Fold in fp32 (exact: a power of two), round once to the activation dtype.
   const double fold = std::ldexp(1.0, mf::fold_log2(act));
-  TORCH_CHECK_VALUE((sc.abs() * fold).isfinite().all().item<bool>(),
-                    "scales: scale * 2^", mf::fold_log2(act), " (the exponent bias folded for ", act_dtype,
-                    ") overflows float32; expected |scale| < ", std::ldexp(1.0, 128 - mf::fold_log2(act)));
+  const at::Tensor folded = (sc * fold).to(act_dtype).contiguous();
+  TORCH_CHECK_VALUE(folded.isfinite().all().item<bool>(),
+                    "scales: scale * 2^", mf::fold_log2(act), " (the exponent bias folded for ",
+                    marlin_act_name(act_dtype), ") overflows it; expected |scale| below about 256");
 
-  at::Tensor qweight = at::empty({n_pad / mf::kTileN, 16 * K}, wc.options().dtype(at::kInt));
-  at::Tensor sp = at::empty({G, n_pad}, sc.options());
+  at::Tensor qweight = at::empty({K / mf::kTileK, 4 * n_pad}, wc.options().dtype(at::kInt));
+  at::Tensor sp = at::empty({G, n_pad}, folded.options());
   mf::RepackParams p{};
   p.w = wc.data_ptr<uint8_t>();
   p.ldw = K;
-  p.scales = sc.data_ptr<float>();
-  p.N = N, p.K = K, p.G = G, p.act = act;
+  p.scales = reinterpret_cast<const uint16_t*>(folded.data_ptr());
+  p.N = N, p.K = K, p.G = G, p.grouped = mf::grouped_scales(K, group_size);
   p.qweight = reinterpret_cast<uint32_t*>(qweight.data_ptr<int32_t>());
-  p.scales_out = sp.data_ptr<float>();
+  p.scales_out = reinterpret_cast<uint16_t*>(sp.data_ptr());
   if (w.is_cpu()) {
     mf::marlin_fp8_repack_cpu(p);
   } else {
@@ -711,11 +718,11 @@ std::tuple<at::Tensor, at::Tensor> marlin_fp8_repack(const at::Tensor& w, const 
 at::Tensor marlin_fp8_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t N, int64_t K,
                                  int64_t group_size, c10::ScalarType act_dtype) {
   const mf::ActKind act = marlin_act_kind(act_dtype, "act_dtype");
-  marlin_check_packed(qweight, scales, N, K, group_size);
-  at::Tensor out = at::empty({N, K}, scales.options());
+  marlin_check_packed(qweight, scales, N, K, group_size, act_dtype);
+  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kFloat));
   mf::DequantParams p{};
   p.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
-  p.scales = scales.data_ptr<float>();
+  p.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   p.N = N, p.K = K, p.group_size = group_size, p.act = act;
   p.out = out.data_ptr<float>();
   if (qweight.is_cpu()) {
@@ -739,7 +746,7 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
                            int64_t K, int64_t group_size, c10::ScalarType act_dtype,
                            std::optional<c10::ScalarType> out_dtype) {
   const mf::ActKind act = marlin_act_kind(act_dtype, "act_dtype");
-  marlin_check_packed(qweight, scales, N, K, group_size);
+  marlin_check_packed(qweight, scales, N, K, group_size, act_dtype);
   TORCH_CHECK_VALUE(a.scalar_type() == act_dtype, "a: expected dtype ", act_dtype,
                     " (the dtype the weight was packed for), got ", a.scalar_type());
   TORCH_CHECK_VALUE(a.dim() == 2 && a.size(1) == K, "a: expected shape [M, ", K, "], got ", a.sizes());
@@ -754,7 +761,7 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   p.a = reinterpret_cast<const uint16_t*>(a.data_ptr());
   p.lda = M > 1 ? a.stride(0) : K;
   p.qweight = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
-  p.scales = scales.data_ptr<float>();
+  p.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   p.M = M, p.N = N, p.K = K, p.group_size = group_size, p.act = act;
   if (a.is_cpu()) {
     at::Tensor c = at::empty({M, N}, a.options().dtype(at::kFloat));

@@ -73,11 +73,12 @@ def _marlin_padded_n(n):
 
 @torch.library.register_fake("mla_ext::marlin_fp8_repack")
 def _marlin_fp8_repack_fake(w_fp8, scales, group_size, act_dtype):
+    # vLLM's Marlin layout: qweight int32 [K/16, 4*N_pad], scales [G, N_pad] in act_dtype.
     _one_device("marlin_fp8_repack", w_fp8=w_fp8, scales=scales)
     n, k = w_fp8.shape
     groups = k // 128 if group_size > 0 else 1
-    qweight = w_fp8.new_empty((_marlin_padded_n(n) // 64, 16 * k), dtype=torch.int32)
-    return qweight, scales.new_empty((groups, _marlin_padded_n(n)), dtype=torch.float32)
+    qweight = w_fp8.new_empty((k // 16, 4 * _marlin_padded_n(n)), dtype=torch.int32)
+    return qweight, scales.new_empty((groups, _marlin_padded_n(n)), dtype=act_dtype)
 
 
 @torch.library.register_fake("mla_ext::marlin_fp8_dequantize")

@@ -258,3 +258,89 @@ def test_mla_prefill_accepts_a_module():
     layer = MLAPrefill(m, CacheConfig("fp8_ds_mla", (), 16), module, layer=1, workspace_rows_override=32)
     assert isinstance(layer.kv_b_proj.weight_format, W.Fp8BlockWeight)
     assert torch.equal(layer.kv_b_proj.weight_format.dequantize_fp32(), src.dequantize_fp32())
+
+
+# -- vLLM Marlin fp8 layers after process_weights_after_loading ----------------
+
+
+def _vllm_marlin_layer(group_size=-1, act=BF16, scale_name="weight_scale", **extra):
+    """A layer as vLLM leaves it after repacking for Marlin: int32 `weight` [K/16, 4N],
+    permuted bias-folded scales in the model dtype, a `workspace`, its sizes and dtype.
+    Returns (layer, the fp32 weight the packed tensors mean)."""
+    from test_kv_b_proj_marlin import _ref_weight, vllm_marlin_encode
+
+    if group_size == 128:
+        blk = W.Fp8BlockWeight.from_dense(_randn(N, K, seed=11), act)
+        w, s = blk.weight, blk.weight_scale_inv.repeat_interleave(128, 0)[:N].t().contiguous()
+        extra.setdefault("weight_block_size", [128, 128])
+    else:
+        f = W.Fp8Weight.from_dense(_randn(N, K, seed=11), per_channel=True, params_dtype=act)
+        w, s = f.weight, f.weight_scale
+    qweight, scales = vllm_marlin_encode(w, s, group_size, act)
+    # vLLM's LinearBase sets params_dtype, its fp8 method orig_dtype (both the model dtype).
+    attrs = dict(weight=qweight, workspace=torch.zeros(8, dtype=torch.int32), orig_dtype=act, params_dtype=act,
+                 output_size_per_partition=N, input_size_per_partition=K)
+    attrs[scale_name] = scales
+    attrs.update(extra)
+    return Layer(**attrs), _ref_weight(w, s, group_size, act)
+
+
+@pytest.mark.parametrize("group_size, scale_name", [(-1, "weight_scale"), (128, "weight_scale_inv"),
+                                                    (128, "weight_scale")])
+@pytest.mark.parametrize("act", [BF16, FP16])
+def test_vllm_marlin_layer_is_read_without_a_copy(group_size, scale_name, act):
+    layer, want = _vllm_marlin_layer(group_size, act, scale_name)
+    f = weight_format_from_module(layer)
+    assert isinstance(f, W.MarlinFp8Weight) and (f.N, f.K, f.params_dtype) == (N, K, act)
+    assert f.packed.group_size == group_size
+    assert f.weight.data_ptr() == layer.weight.data_ptr()
+    assert f.packed.scales.data_ptr() == getattr(layer, scale_name).data_ptr()
+    from mla_ext.kv_b_proj.marlin import marlin_fp8_dequantize
+
+    assert torch.equal(marlin_fp8_dequantize(f.packed, torch.float32), want)
+    # The explicit constructor reads the same layer the same way.
+    g = W.MarlinFp8Weight.from_vllm_layer(layer)
+    assert g.weight.data_ptr() == f.weight.data_ptr() and g.packed.group_size == group_size
+    # SPEC §5: int32 (Marlin-packed) -> the params dtype, FP8 prefill on or off.
+    for fp8_prefill in (False, True):
+        assert kv_b_proj_input_dtype(layer, fp8_prefill) == act
+        assert kv_b_proj_input_dtype(KvBProj(layer), fp8_prefill) == act
+    x = _randn(5, K, seed=3).to(act)
+    y = KvBProj(layer)(x).float()
+    dense = x.float() @ want.t()
+    assert ((y - dense).abs().mean() / dense.abs().mean()).item() < 0.04
+
+
+def test_vllm_marlin_layer_sizes_from_the_shape_and_a_mapping():
+    layer, want = _vllm_marlin_layer()
+    d = {"weight": layer.weight, "weight_scale": layer.weight_scale, "marlin_workspace": layer.workspace,
+         "orig_dtype": BF16}  # no stated sizes: the Marlin shape [K/16, 4N] gives them
+    f = weight_format_from_module(d)
+    assert isinstance(f, W.MarlinFp8Weight) and (f.N, f.K) == (N, K)
+    assert f.weight.data_ptr() == layer.weight.data_ptr()
+
+
+def test_vllm_marlin_explicit_constructor_needs_no_workspace():
+    layer, _ = _vllm_marlin_layer()
+    del layer.workspace
+    with pytest.raises(ValueError, match=r"int32 is a packed layout .*Marlin.*from_vllm_layer"):
+        weight_format_from_module(layer)
+    f = W.MarlinFp8Weight.from_vllm_layer(layer)
+    assert f.weight.data_ptr() == layer.weight.data_ptr()
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: _vllm_marlin_layer(weight_scale_inv=torch.ones(1, N, dtype=BF16))[0], r"exactly one of `weight_scale`"),
+    (lambda: _vllm_marlin_layer(output_size_per_partition=128)[0],
+     r"qweight: expected shape \[size_k/16, 4\*size_n\] = \[16, 512\]"),
+    (lambda: _vllm_marlin_layer(orig_dtype=None, params_dtype=None)[0],
+     r"params_dtype: module stores Marlin-packed int32 weights"),
+    (lambda: _vllm_marlin_layer(orig_dtype=torch.float32, params_dtype=torch.float32)[0],
+     r"params_dtype: expected torch.bfloat16 or "),
+    (lambda: _vllm_marlin_layer(orig_dtype=FP16, params_dtype=FP16)[0], r"scales: expected torch.float16"),
+    (lambda: _vllm_marlin_layer(weight_block_size=[128, 64])[0], r"group_size: expected -1 .* or 128"),
+    (lambda: _vllm_marlin_layer(weight_block_size="128")[0], r"weight_block_size: expected None or"),
+], ids=["two_scales", "sizes_mismatch", "no_dtype", "fp32_dtype", "dtype_mismatch", "group_64", "bad_block"])
+def test_vllm_marlin_layer_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        weight_format_from_module(make())

@@ -1,21 +1,32 @@
-"""Marlin-packed FP8 (W8A16) kv_b_proj: packing, dequant, GEMM (CPU reference and CUDA).
+"""Marlin packed FP8 (W8A16) kv_b_proj in vLLM's post-load layout: packing,
+dequant, GEMM (CPU reference and CUDA), and vLLM's tensors used without a copy.
 
-The layout checks decode qweight in Python from the layout documented in
-csrc/kv_b_proj/marlin_fp8.h, independently of the C++ index math, so a
-self-consistent but wrongly documented packing would fail here.
+The layout checks compare the repack with `vllm_marlin_encode` below, an
+encoder written here from the facts of vLLM's Marlin fp8 post-load layout
+(shared/reference/vllm-compat.md; the scale permutation of vLLM's
+`marlin_permute_scales`), independently of the C++ index math, so a
+self-consistent but wrong packing would fail here.
 """
 from __future__ import annotations
+
+import pathlib
+import re
 
 import pytest
 import torch
 
 from mla_ext import _ext
+from mla_ext.kv_b_proj import weights as W
 from mla_ext.kv_b_proj.marlin import (
     MarlinFp8Packed,
+    grouped_scales,
     marlin_fp8_dequantize,
+    marlin_fp8_from_vllm,
     marlin_fp8_gemm,
     marlin_fp8_repack,
     marlin_not_supported_reasons,
+    scale_position,
+    word_location,
 )
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="mla_ext._C is not built")
@@ -23,6 +34,7 @@ pytestmark = pytest.mark.skipif(not _ext.available(), reason="mla_ext._C is not 
 ACT = [torch.bfloat16, torch.float16]
 FOLD_LOG2 = {torch.float16: 8, torch.bfloat16: 120}
 SHIFT = {torch.float16: 1, torch.bfloat16: 4}
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _rand_fp8(n, k, gen, amp=1.0):
@@ -38,13 +50,22 @@ def _case(n, k, group_size, seed, amp=60.0):
     """A random fp8 weight [n, k] and its fp32 scales in the repack orientation."""
     gen = torch.Generator().manual_seed(seed)
     w = _rand_fp8(n, k, gen, amp=amp)
+    assert bool((w.float() != 0).any())
     return w, _rand_scales((n,) if group_size == -1 else (k // 128, n), gen), gen
 
 
-def _ref_weight(w, scales, group_size):
-    """fp32 dequantized reference [N, K] from torch's fp8 decode."""
+def _applied_scales(scales, act):
+    """The fp32 scales the packed weight applies: scale * 2^fold rounded to `act`, / 2^fold (exact)."""
+    return (scales.float() * 2.0 ** FOLD_LOG2[act]).to(act).float() / 2.0 ** FOLD_LOG2[act]
+
+
+def _ref_weight(w, scales, group_size, act=None):
+    """fp32 dequantized reference [N, K] from torch's fp8 decode; with `act`, the
+    scales are the ones the packed weight holds (rounded to the activation dtype)."""
+    if act is not None:
+        scales = _applied_scales(scales, act)
     if group_size == -1:
-        return w.float() * scales[:, None]
+        return w.float() * scales.reshape(-1)[:, None]
     return w.float() * scales.repeat_interleave(group_size, 0).t()
 
 
@@ -52,23 +73,56 @@ def _rel_err(out, ref):
     return ((out.float() - ref).abs().mean() / ref.abs().mean()).item()
 
 
-def _python_unpack_bytes(qweight, n, k):
-    """fp8 bytes [N, K] recovered from qweight using the documented layout only."""
-    n_pad = (n + 63) // 64 * 64
-    words = qweight.reshape(n_pad // 64, k // 16, 32, 8)  # [nt, kt, lane, j]
-    lane = torch.arange(32).view(32, 1)
-    j = torch.arange(8).view(1, 8)
-    col = j * 8 + lane // 4  # [32, 8]
-    k0 = (lane % 4) * 2
-    out = torch.zeros(n_pad, k, dtype=torch.uint8)
-    for b, dk in enumerate((0, 1, 8, 9)):
-        byte = ((words >> (8 * b)) & 0xFF).to(torch.uint8)  # [nt, kt, 32, 8]
-        for nt in range(n_pad // 64):
-            for kt in range(k // 16):
-                rows = nt * 64 + col
-                cols = (kt * 16 + k0 + dk).expand(32, 8)
-                out[rows, cols] = byte[nt, kt]
-    return out[:n]
+# ---------------------------------------------------------------------------
+# An independent encoder of vLLM's post-load Marlin fp8 layout
+# ---------------------------------------------------------------------------
+
+
+def vllm_marlin_encode(w_fp8, scales, group_size, act):
+    """(qweight, scales) as vLLM leaves them in a Marlin fp8 layer after
+    process_weights_after_loading, for an fp8 weight [N, K] and fp32 scales
+    ([N], or [K/g, N] for group size g). From the layout facts:
+
+    - qweight int32 [K/16, 4N]: 16 (k) x 64 (n) tiles, k-tiles outermost (row kt
+      holds the tiles of every 64-column block in order); inside a tile, word
+      lane*8 + j carries column 8j + lane//4 at k0 = 2*(lane % 4), its bytes
+      (least significant first) being k0, k0+8, k0+1, k0+9.
+    - scales: rounded to the activation dtype, permuted -- per-channel (and
+      group size >= K): in each 32-column block, position 8i + x takes column
+      2i + (0, 1, 8, 9, 16, 17, 24, 25)[x]; grouped: in each 64-column block,
+      position 8i + x takes column i + 8x -- then multiplied by 2^120 (bf16) or
+      2^8 (fp16) in the activation dtype.
+    N not a multiple of 64 (which vLLM's Marlin refuses) is padded with zero
+    columns, as mla_ext's repack does.
+    """
+    n, k = w_fp8.shape
+    n_pad = -(-n // 64) * 64
+    wb = torch.zeros(n_pad, k, dtype=torch.uint8)
+    wb[:n] = w_fp8.view(torch.uint8)
+    kt = torch.arange(k // 16).view(-1, 1, 1, 1, 1)
+    nt = torch.arange(n_pad // 64).view(1, -1, 1, 1, 1)
+    lane = torch.arange(32).view(1, 1, -1, 1, 1)
+    j = torch.arange(8).view(1, 1, 1, -1, 1)
+    dk = torch.tensor([0, 8, 1, 9]).view(1, 1, 1, 1, -1)
+    byte = wb[nt * 64 + j * 8 + lane // 4, kt * 16 + 2 * (lane % 4) + dk].to(torch.int64)
+    words = (byte << torch.tensor([0, 8, 16, 24])).sum(-1)  # [K/16, N_pad/64, 32, 8]
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    qweight = words.reshape(k // 16, 4 * n_pad)
+
+    s = torch.zeros(scales.reshape(-1, n).shape[0], n_pad)
+    s[:, :n] = scales.reshape(-1, n).float()
+    s = s.to(act)
+    if 0 < group_size < k:
+        perm = torch.tensor([i + 8 * x for i in range(8) for x in range(8)])
+    else:
+        perm = torch.tensor([2 * i + off for i in range(4) for off in (0, 1, 8, 9, 16, 17, 24, 25)])
+    s = s.reshape(-1, perm.numel())[:, perm].reshape(-1, n_pad)
+    s = s * torch.tensor(2.0 ** FOLD_LOG2[act], dtype=act)
+    return qweight, s.contiguous()
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 # ---------------------------------------------------------------------------
@@ -99,26 +153,59 @@ def test_dequantize_all_256_bytes_exact(act):
 
 
 @pytest.mark.parametrize("act", ACT)
-@pytest.mark.parametrize("group_size", [-1, 128])
-@pytest.mark.parametrize("n", [64, 200])
-def test_packed_layout_and_scales_match_documentation(act, group_size, n):
-    k = 256
-    w, s, _ = _case(n, k, group_size, seed=n + group_size, amp=40.0)
+@pytest.mark.parametrize("group_size, k", [(-1, 256), (128, 256), (128, 512), (128, 128), (-1, 48)])
+@pytest.mark.parametrize("n", [64, 256, 200])
+def test_repack_equals_the_vllm_encoder_bytes(act, group_size, k, n):
+    """The repack writes vLLM's post-load bytes exactly (N=200: padded to 256 with zeros;
+    group 128 with K=128 is one group and takes the per-channel permutation, as in vLLM)."""
+    w, s, _ = _case(n, k, group_size, seed=n + k + group_size, amp=40.0)
     p = marlin_fp8_repack(w, s, act, group_size)
-    n_pad = (n + 63) // 64 * 64
-    assert p.qweight.dtype == torch.int32 and p.qweight.shape == (n_pad // 64, 16 * k)
+    q_want, s_want = vllm_marlin_encode(w, s, group_size, act)
+    n_pad = -(-n // 64) * 64
+    assert p.qweight.dtype == torch.int32 and p.qweight.shape == (k // 16, 4 * n_pad)
     assert (p.N, p.K, p.group_size, p.act_dtype) == (n, k, group_size, act)
-    # Words: decode with the documented index math, in Python.
-    assert torch.equal(_python_unpack_bytes(p.qweight, n, k), w.view(torch.uint8))
-    # Scales: position t*16 + j*2 + e of each 64-block holds column j*8 + t*2 + e, times 2^fold.
-    pos = torch.arange(64)
-    col_of_pos = (pos % 16) // 2 * 8 + (pos // 16) * 2 + pos % 2
-    cols = (torch.arange(n_pad // 64).view(-1, 1) * 64 + col_of_pos).flatten()
-    s2 = s.view(1, n) if group_size == -1 else s
-    want = torch.zeros(s2.shape[0], n_pad)
-    valid = cols < n
-    want[:, valid] = s2[:, cols[valid]] * 2.0 ** FOLD_LOG2[act]
-    assert p.scales.dtype == torch.float32 and torch.equal(p.scales, want)
+    assert torch.equal(p.qweight, q_want)
+    assert p.scales.dtype == act and p.scales.shape == s_want.shape
+    assert torch.equal(_bits(p.scales), _bits(s_want))
+
+
+def test_layout_helpers_agree_with_the_repack():
+    """marlin.py's word_location / scale_position (the Python mirror of marlin_fp8.h)
+    locate every byte and scale the repack wrote."""
+    n, k = 130, 256
+    gen = torch.Generator().manual_seed(4)
+    raw = torch.randint(0, 0x7F, (n, k), generator=gen, dtype=torch.uint8)  # no NaN
+    w = raw.view(torch.float8_e4m3fn)
+    q = marlin_fp8_repack(w, torch.ones(n), torch.bfloat16).qweight
+    qb = q.view(torch.uint8).view(q.shape[0], q.shape[1], 4)
+    got = torch.empty_like(raw)
+    for nn in range(n):
+        for kk in range(k):
+            r, c, b = word_location(nn, kk)
+            got[nn, kk] = qb[r, c, b]
+    assert torch.equal(got, raw)
+    for group_size, kk in ((-1, 256), (128, 256), (128, 128)):
+        s = torch.arange(1, 1 + n * (kk // 128 if group_size > 0 else 1), dtype=torch.float32)
+        s = s.view(-1, n) / 1024 if group_size > 0 else s / 1024
+        p = marlin_fp8_repack(w[:, :kk], s, torch.float16, group_size)
+        grouped = grouped_scales(kk, group_size)
+        assert grouped == (group_size == 128 and kk > 128)
+        sf = p.scales.float() / 2.0 ** 8
+        for c in range(n):
+            pos = c // 64 * 64 + scale_position(c % 64, grouped)
+            assert torch.equal(sf[:, pos], s.view(-1, n)[:, c]), (group_size, kk, c)
+
+
+def _layout_block(text, prefix):
+    block = text.split("LAYOUT BEGIN", 1)[1].split("LAYOUT END", 1)[0]
+    lines = [re.sub(rf"^\s*{re.escape(prefix)}", "", line).strip() for line in block.splitlines()]
+    return [line for line in lines if line]
+
+
+def test_layout_text_is_the_same_in_the_header_and_in_python():
+    header = _layout_block((ROOT / "csrc/kv_b_proj/marlin_fp8.h").read_text(), "//")
+    python = _layout_block((ROOT / "mla_ext/kv_b_proj/marlin.py").read_text(), "")
+    assert len(header) > 10 and header == python
 
 
 @pytest.mark.parametrize("act", ACT)
@@ -127,10 +214,79 @@ def test_dequantize_exact_with_scales(act, group_size):
     n, k = 200, 512
     w, s, _ = _case(n, k, group_size, seed=7, amp=50.0)
     p = marlin_fp8_repack(w, s, act, group_size)
-    ref = _ref_weight(w, s, group_size)
+    ref = _ref_weight(w, s, group_size, act)
     got = marlin_fp8_dequantize(p, torch.float32)
     assert got.shape == (n, k) and torch.equal(got, ref)
     assert torch.equal(marlin_fp8_dequantize(p), ref.to(act))
+
+
+# ---------------------------------------------------------------------------
+# vLLM's tensors, used as they are
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act", ACT)
+@pytest.mark.parametrize("group_size", [-1, 128])
+@pytest.mark.parametrize("m", [1, 37])
+def test_from_vllm_shares_storage_and_the_cpu_gemm_matches_dense(act, group_size, m):
+    n, k = 256, 512
+    w, s, gen = _case(n, k, group_size, seed=31 + m + group_size)
+    qweight, scales = vllm_marlin_encode(w, s, group_size, act)
+    fmt = W.MarlinFp8Weight.from_vllm(qweight, scales, n, k, group_size, act)
+    # No copy: the weight object reads vLLM's tensors.
+    assert fmt.weight.data_ptr() == qweight.data_ptr() and fmt.packed.scales.data_ptr() == scales.data_ptr()
+    assert (fmt.N, fmt.K, fmt.params_dtype) == (n, k, act)
+    a = torch.randn(m, k, generator=gen).to(act)
+    dense = a.float() @ _ref_weight(w, s, group_size).t()  # the checkpoint's own scales
+    out = marlin_fp8_gemm(a, fmt.packed)
+    assert out.dtype == act and out.shape == (m, n)
+    assert _rel_err(out, dense) < 0.04  # SPEC §9
+    out32 = marlin_fp8_gemm(a, fmt.packed, out_dtype=torch.float32)
+    ref = a.float() @ _ref_weight(w, s, group_size, act).t()  # the scales vLLM stored
+    torch.testing.assert_close(out32, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert _rel_err(out32, dense) < 5e-3
+    assert torch.equal(marlin_fp8_dequantize(fmt.packed, torch.float32), _ref_weight(w, s, group_size, act))
+
+
+def test_from_vllm_per_channel_scales_may_be_1d_and_stay_a_view():
+    n, k = 128, 256
+    w, s, _ = _case(n, k, -1, seed=2)
+    qweight, scales = vllm_marlin_encode(w, s, -1, torch.bfloat16)
+    flat = scales.reshape(-1)
+    p = marlin_fp8_from_vllm(qweight, flat, n, k, -1, torch.bfloat16)
+    assert p.scales.shape == (1, n) and p.scales.data_ptr() == flat.data_ptr()
+
+
+def _vllm_small(group_size=-1, act=torch.bfloat16):
+    w, s, _ = _case(128, 256, group_size, seed=9)
+    return vllm_marlin_encode(w, s, group_size, act)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda q, s: (q, s, 200, 256, -1, torch.bfloat16), r"size_n: expected a positive multiple of 64"),
+    (lambda q, s: (q, s, 128, 200, -1, torch.bfloat16), r"size_k: expected a positive multiple of 16"),
+    (lambda q, s: (q, s, 128, 256, 64, torch.bfloat16), r"group_size: expected -1 .* or 128"),
+    (lambda q, s: (q, s, 128, 256, -1, torch.float32), r"act_dtype"),
+    (lambda q, s: (q.view(-1, 256), s, 128, 256, -1, torch.bfloat16), r"qweight: expected shape \[size_k/16"),
+    (lambda q, s: (q.float(), s, 128, 256, -1, torch.bfloat16), r"qweight: expected torch.int32"),
+    (lambda q, s: (q.t().contiguous().t(), s, 128, 256, -1, torch.bfloat16), r"qweight: expected a contiguous"),
+    (lambda q, s: (q, s.float(), 128, 256, -1, torch.bfloat16), r"scales: expected torch.bfloat16"),
+    (lambda q, s: (q, s, 128, 256, -1, torch.float16), r"scales: expected torch.float16"),
+    (lambda q, s: (q, s[:, :64], 128, 256, -1, torch.bfloat16), r"scales: expected shape \[G, size_n\]"),
+    (lambda q, s: (q, s, 128, 256, 128, torch.bfloat16), r"scales: expected shape \[G, size_n\] = \[2, 128\]"),
+    (lambda q, s: (q, torch.full_like(s, float("inf")), 128, 256, -1, torch.bfloat16), r"scales: expected finite"),
+], ids=["n_not_64", "k_not_16", "group_64", "act_fp32", "q_shape", "q_dtype", "q_strided", "s_fp32",
+        "s_dtype_mismatch", "s_shape", "s_groups", "s_inf"])
+def test_from_vllm_bad_arguments_name_the_argument(mutate, match):
+    q, s = _vllm_small()
+    with pytest.raises(ValueError, match=match):
+        marlin_fp8_from_vllm(*mutate(q, s))
+
+
+def test_from_vllm_params_dtype_must_be_16_bit():
+    q, s = _vllm_small()
+    with pytest.raises(ValueError, match=r"params_dtype: expected torch.bfloat16 or torch.float16"):
+        W.MarlinFp8Weight.from_vllm(q, s, 128, 256, -1, torch.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -147,16 +303,18 @@ def test_gemm_cpu_matches_dequantized_reference(act, m, n, k, group_size):
     w, s, gen = _case(n, k, group_size, seed=m * 1000 + n + k + group_size)
     p = marlin_fp8_repack(w, s, act, group_size)
     a = torch.randn(m, k, generator=gen).to(act)
-    ref = a.float() @ _ref_weight(w, s, group_size).t()
+    ref = a.float() @ _ref_weight(w, s, group_size).t()  # the fp32 checkpoint scales
     out = marlin_fp8_gemm(a, p)
     assert out.dtype == act and out.shape == (m, n)
     assert not out.isnan().any()
     assert _rel_err(out, ref) < 0.04  # SPEC §9 weight-only GEMM metric
     frob = ((out.float() - ref).norm() / ref.norm()).item()
     assert frob <= (1e-2 if act == torch.bfloat16 else 5e-3)
-    # The fp32 output isolates the packing: only fp32 summation order differs.
+    # The fp32 output against the scales the packing holds (rounded to `act`)
+    # isolates the packing: only fp32 summation order differs.
     out32 = marlin_fp8_gemm(a, p, out_dtype=torch.float32)
-    torch.testing.assert_close(out32, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    ref_held = a.float() @ _ref_weight(w, s, group_size, act).t()
+    torch.testing.assert_close(out32, ref_held, rtol=1e-4, atol=1e-4 * ref_held.abs().max().item())
 
 
 @pytest.mark.parametrize("act", ACT)
@@ -171,7 +329,7 @@ def test_gemm_cpu_row_strided_activation(act, group_size):
     assert a.stride() == (576, 1)
     assert marlin_not_supported_reasons(a, p) == []
     out = marlin_fp8_gemm(a, p, out_dtype=torch.float32)
-    ref = a.float() @ _ref_weight(w, s, group_size).t()
+    ref = a.float() @ _ref_weight(w, s, group_size, act).t()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     torch.testing.assert_close(out, marlin_fp8_gemm(a.contiguous(), p, out_dtype=torch.float32))
 
@@ -214,6 +372,7 @@ def test_repack_rejects_nan_weights(nan_byte):
         (lambda w, s: (w, s[:10], torch.bfloat16, -1), "scales"),
         (lambda w, s: (w, torch.ones(3, 64), torch.bfloat16, 128), "scales"),
         (lambda w, s: (w, torch.full((64,), 300.0), torch.bfloat16, -1), "scales.*overflows"),
+        (lambda w, s: (w, torch.full((64,), 256.0), torch.float16, -1), "scales.*torch.float16.*overflows"),
         (lambda w, s: (w, torch.full((64,), float("inf")), torch.float16, -1), "scales.*finite"),
         (lambda w, s: (w[0], s, torch.bfloat16, -1), "w_fp8"),
     ],
@@ -241,8 +400,12 @@ def test_gemm_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="qweight"):
         marlin_fp8_gemm(a, bad)
     bad = MarlinFp8Packed(p.qweight, p.scales.half(), p.N, p.K, p.group_size, p.act_dtype)
-    with pytest.raises(ValueError, match="scales"):
+    with pytest.raises(ValueError, match="scales: expected torch.bfloat16"):
         marlin_fp8_dequantize(bad)
+    # The old mla_ext layout's shape ([N_pad/64, 16K]) is refused by name.
+    bad = MarlinFp8Packed(p.qweight.reshape(1, 16 * 256), p.scales, p.N, p.K, p.group_size, p.act_dtype)
+    with pytest.raises(ValueError, match=r"qweight: expected shape \[K/16, 4\*N_pad\] = \[16, 256\]"):
+        marlin_fp8_gemm(a, bad)
 
 
 def test_not_supported_reasons():
@@ -279,7 +442,7 @@ def test_cuda_repack_and_dequantize_match_cpu(act, group_size):
     pg = marlin_fp8_repack(w.cuda(), s.cuda(), act, group_size)
     assert torch.equal(pg.qweight.cpu(), pc.qweight)
     assert torch.equal(pg.scales.cpu(), pc.scales)
-    assert torch.equal(marlin_fp8_dequantize(pg, torch.float32).cpu(), _ref_weight(w, s, group_size))
+    assert torch.equal(marlin_fp8_dequantize(pg, torch.float32).cpu(), _ref_weight(w, s, group_size, act))
 
 
 @pytest.mark.cuda
@@ -294,7 +457,7 @@ def test_cuda_gemm_matches_dequantized_reference(act, m, n, group_size):
     workspace = torch.randn(m, 576, generator=gen).to(act).cuda()
     a = workspace[:, :k]  # row stride 576
     assert marlin_not_supported_reasons(a, p) == []
-    ref = a.float().cpu() @ _ref_weight(w, s, group_size).t()
+    ref = a.float().cpu() @ _ref_weight(w, s, group_size, act).t()
     out = marlin_fp8_gemm(a, p)
     assert out.dtype == act and out.shape == (m, n) and not out.isnan().any()
     assert _rel_err(out.cpu(), ref) < 0.04
@@ -337,7 +500,7 @@ def test_gemm_cpu_short_k(k):
     w, s, gen = _case(72, k, -1, seed=k)
     p = marlin_fp8_repack(w, s, torch.bfloat16)
     a = torch.randn(5, k, generator=gen).to(torch.bfloat16)
-    ref = a.float() @ _ref_weight(w, s, -1).t()
+    ref = a.float() @ _ref_weight(w, s, -1, torch.bfloat16).t()
     out = marlin_fp8_gemm(a, p, out_dtype=torch.float32)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
@@ -360,3 +523,37 @@ def test_cuda_gemm_tiny_activations_keep_subnormal_products(act, rms, group_size
     assert torch.isfinite(out).all()
     err = _rel_err(out, ref)
     assert err < 0.04, f"RMS {rms} {act}: mean relative error {err:.3g} (subnormal products flushed?)"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act", ACT)
+@pytest.mark.parametrize("group_size, k", [(-1, 512), (128, 512), (128, 128)])
+def test_cuda_repack_equals_the_vllm_encoder_bytes(act, group_size, k):
+    n = 200
+    w, s, _ = _case(n, k, group_size, seed=41 + k)
+    p = marlin_fp8_repack(w.cuda(), s.cuda(), act, group_size)
+    q_want, s_want = vllm_marlin_encode(w, s, group_size, act)
+    assert torch.equal(p.qweight.cpu(), q_want)
+    assert torch.equal(_bits(p.scales.cpu()), _bits(s_want))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act", ACT)
+@pytest.mark.parametrize("group_size", [-1, 128])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_cuda_gemm_on_vllm_tensors_without_a_copy(act, group_size, m):
+    """vLLM's post-load tensors (from the independent encoder) fed to the CUDA kernel as they are."""
+    n, k = 1024, 512
+    w, s, gen = _case(n, k, group_size, seed=51 + m + group_size)
+    qweight, scales = (t.cuda() for t in vllm_marlin_encode(w, s, group_size, act))
+    fmt = W.MarlinFp8Weight.from_vllm(qweight, scales, n, k, group_size, act)
+    assert fmt.weight.data_ptr() == qweight.data_ptr() and fmt.packed.scales.data_ptr() == scales.data_ptr()
+    a = torch.randn(m, k, generator=gen).to(act)
+    dense = a.float() @ _ref_weight(w, s, group_size).t()
+    out = marlin_fp8_gemm(a.cuda(), fmt.packed).cpu()
+    assert out.dtype == act and not out.isnan().any()
+    assert _rel_err(out, dense) < 0.04  # SPEC §9
+    out32 = marlin_fp8_gemm(a.cuda(), fmt.packed, out_dtype=torch.float32).cpu()
+    ref = a.float() @ _ref_weight(w, s, group_size, act).t()
+    torch.testing.assert_close(out32, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    assert torch.equal(marlin_fp8_dequantize(fmt.packed, torch.float32).cpu(), _ref_weight(w, s, group_size, act))

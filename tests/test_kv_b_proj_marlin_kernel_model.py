@@ -3,9 +3,10 @@
 The CUDA kernel has never run on this project's GPU-less machines, and the CPU
 reference GEMM reads the packed layout through a different loop
 (`for_each_decoded_column`). This model follows the kernel's own per-lane
-steps instead: the warp split of K, the cp.async copies into shared memory,
-the A/B fragment reads, `__byte_perm` dequant, the group-scale epilogue and the
-cross-warp reduction; the m16n8k16 fragments are turned back into matrices
+steps instead: the warp split of K, the cp.async copies into shared memory (from
+vLLM's Marlin layout: tile kt of a panel one qweight row further), the A/B
+fragment reads, the mask-and-shift dequant, the per-lane scale runs of the
+group-scale epilogue and the cross-warp reduction; the m16n8k16 fragments are turned back into matrices
 with the PTX ISA's fragment definitions (not the packing's documentation), so
 a kernel whose index math disagrees with the hardware layout fails here.
 It also replays the cp.async commit / wait_group bookkeeping of the pipeline.
@@ -26,23 +27,12 @@ LANES = np.arange(32)
 G, T = LANES // 4, LANES % 4  # groupID, threadID_in_group
 
 
-def byte_perm(x, y, s):
-    """CUDA __byte_perm: result byte n = byte (selector nibble n & 7) of the 8 bytes {y:x}."""
-    x, y = np.asarray(x, np.uint64), np.asarray(y, np.uint64)
-    both = x | (y << np.uint64(32))
-    out = np.zeros_like(x)
-    for n in range(4):
-        sel = (s >> (4 * n)) & 7
-        out |= ((both >> np.uint64(8 * sel)) & np.uint64(0xFF)) << np.uint64(8 * n)
-    return out.astype(np.uint32)
-
-
 def dequant_word_device(q, act):
-    """The __CUDA_ARCH__ branch of marlin_fp8.h dequant_word: two 32-bit B registers."""
+    """marlin_fp8.h dequant_word: two 32-bit B registers (b0 from q << 8, b1 from q)."""
     shift = np.uint32(1 if act == torch.float16 else 4)
+    q = np.asarray(q, np.uint32)
     regs = []
-    for sel in (0x1404, 0x3424):
-        r = byte_perm(q, np.zeros_like(q), sel)
+    for r in ((q << np.uint32(8)).astype(np.uint32), q):
         regs.append((r & np.uint32(0x80008000)) | ((r & np.uint32(0x7F007F00)) >> shift))
     return regs
 
@@ -85,20 +75,31 @@ def ptx_d_scatter(D):
     return [D[G + (0 if i < 2 else 8), T * 2 + (i & 1)] for i in range(4)]
 
 
+def lane_scale_run(grouped, t, r):
+    """marlin_fp8.h lane_scale_run / _which / _elem: lane t's scales are two runs of 8."""
+    return 16 * t + 8 * r if grouped else 32 * r + 8 * t
+
+
+def lane_scale_slot(grouped, j, e):
+    return (e, j) if grouped else (j // 4, 2 * (j % 4) + e)
+
+
 def model_gemm(a_bits, act, qweight, scales, M, N, K, group_size):
     """C[M, N] as marlin_fp8_gemm_kernel computes it (float64 arithmetic)."""
     q = qweight.view(-1).numpy().view(np.uint32)
-    s = scales.view(-1).numpy().astype(np.float64)
+    s = scales.view(-1).double().numpy()  # act-dtype scales, widened exactly
     k_tiles = K // TILE_K
     n_pad = (N + 63) // 64 * 64
+    n_tiles = n_pad // TILE_N
     gt = group_size // TILE_K if group_size > 0 else k_tiles
+    grouped = 0 < group_size < K
     dt = torch.float16 if act == torch.float16 else torch.bfloat16
     a_f = torch.from_numpy(a_bits.astype(np.int16)).view(dt).double().numpy()  # [M, K]
     a_row, a_col = LANES // 2, (LANES % 2) * 8
     C = np.full((M, N), np.nan)
     for nt in range(n_pad // TILE_N):
-        w_lane = nt * k_tiles * 256 + LANES * 8
-        s_lane = nt * TILE_N + T * 16
+        w_lane = nt * 256 + LANES * 8  # tile (0, nt); tile kt is kt * n_tiles * 256 further
+        runs = [nt * TILE_N + lane_scale_run(grouped, T, r) for r in (0, 1)]
         for mb in range((M + ROWS - 1) // ROWS):
             red = np.zeros((WARPS, ROWS, TILE_N))
             for warp in range(WARPS):
@@ -109,7 +110,7 @@ def model_gemm(a_bits, act, qweight, scales, M, N, K, group_size):
                 for i in range(my_tiles):
                     kt = warp + i * WARPS
                     # cp.async: 8 words per lane; 8 A elements per lane (zero-fill past M).
-                    sw = q[(w_lane + kt * 256)[:, None] + np.arange(8)]  # [32, 8]
+                    sw = q[(w_lane + kt * n_tiles * 256)[:, None] + np.arange(8)]  # [32, 8]
                     sa = np.zeros(ROWS * TILE_K)
                     for lane in range(32):
                         if m[lane] < M:
@@ -129,10 +130,11 @@ def model_gemm(a_bits, act, qweight, scales, M, N, K, group_size):
                         for e, v in enumerate(ptx_d_scatter(D)):
                             part[j, e] += v
                     if i + 1 == my_tiles or (kt + WARPS) // gt != kt // gt:
-                        sc = s[((kt // gt) * n_pad + s_lane)[:, None] + np.arange(16)]  # [32, 16]
+                        sc = [s[((kt // gt) * n_pad + run)[:, None] + np.arange(8)] for run in runs]  # 2x[32, 8]
                         for j in range(8):
                             for e in range(4):
-                                acc[j, e] += part[j, e] * sc[:, 2 * j + (e & 1)]
+                                which, el = lane_scale_slot(grouped, j, e & 1)
+                                acc[j, e] += part[j, e] * sc[which][:, el]
                         part[:] = 0.0
                 for j in range(8):
                     col = j * 8 + 2 * T
@@ -151,7 +153,8 @@ def model_gemm(a_bits, act, qweight, scales, M, N, K, group_size):
 
 
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M,N,K,group_size", [(5, 72, 256, 128), (17, 64, 48, -1), (11, 130, 384, -1)])
+@pytest.mark.parametrize("M,N,K,group_size", [(5, 72, 256, 128), (17, 64, 48, -1), (11, 130, 384, -1),
+                                              (3, 128, 128, 128)])
 def test_kernel_model_matches_dense_reference(act, M, N, K, group_size):
     gen = torch.Generator().manual_seed(M * 1000 + N + K)
     w = (torch.randn(N, K, generator=gen) * 60).clamp(-440, 440).to(torch.float8_e4m3fn)
@@ -160,8 +163,10 @@ def test_kernel_model_matches_dense_reference(act, M, N, K, group_size):
     a = torch.randn(M, K, generator=gen).to(act)
     packed = marlin_fp8_repack(w, scales, act, group_size)
     C = model_gemm(a.view(torch.int16).numpy(), act, packed.qweight, packed.scales, M, N, K, group_size)
-    wd = w.double() * (scales.double()[:, None] if group_size == -1
-                       else scales.double().repeat_interleave(128, 0).t())
+    # The scales the packed weight holds: scale * 2^fold rounded to `act`, / 2^fold.
+    fold = 2.0 ** (8 if act == torch.float16 else 120)
+    held = (scales * fold).to(act).double() / fold
+    wd = w.double() * (held[:, None] if group_size == -1 else held.repeat_interleave(128, 0).t())
     ref = a.double().numpy() @ wd.numpy().T
     assert not np.isnan(C).any(), "an output element was never written"
     np.testing.assert_allclose(C, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())

@@ -128,6 +128,30 @@ def test_marlin_from_a_sharded_block_checkpoint_equals_the_packed_shard(full_for
         assert torch.equal(a.packed.qweight, b.packed.qweight) and torch.equal(a.packed.scales, b.packed.scales)
 
 
+@pytest.mark.parametrize("group_size", [-1, 128])
+def test_marlin_shard_of_vllm_tensors_is_the_vllm_layout_of_the_shard(group_size):
+    """A TP shard cut from vLLM's post-load Marlin tensors (64-column blocks: 256 words
+    of every qweight row, 64 scale columns) equals vLLM's layout of the sharded weight."""
+    from test_kv_b_proj_marlin import vllm_marlin_encode
+
+    n = HEADS * HEAD_ROWS
+    if group_size == 128:
+        blk = W.Fp8BlockWeight.from_dense(_randn(n, K, seed=8), torch.bfloat16)
+        w, s = blk.weight, blk.weight_scale_inv.repeat_interleave(128, 0).t().contiguous()  # [K/128, N]
+    else:
+        f = W.Fp8Weight.from_dense(_randn(n, K, seed=8), per_channel=True, params_dtype=torch.bfloat16)
+        w, s = f.weight, f.weight_scale
+    q, sc = vllm_marlin_encode(w, s, group_size, torch.bfloat16)
+    full = W.MarlinFp8Weight.from_vllm(q, sc, n, K, group_size, torch.bfloat16)
+    for tp, rank in SPLITS[1:]:
+        start, stop = shard_rows(HEADS, HEAD_ROWS, tp, rank)
+        want_q, want_s = vllm_marlin_encode(w[start:stop], s[..., start:stop], group_size, torch.bfloat16)
+        shard = shard_weight(full, HEADS, HEAD_ROWS, tp, rank)
+        assert torch.equal(shard.packed.qweight, want_q)
+        assert torch.equal(shard.packed.scales.view(torch.int16), want_s.view(torch.int16))
+        assert shard.weight.data_ptr() != q.data_ptr()  # the shard owns its tensors
+
+
 def test_shard_for_reads_the_full_model_config(full_formats):
     cfg = types.SimpleNamespace(num_heads=HEADS, P=128, V=128)
     a = shard_for(full_formats["nvfp4"], cfg, 4, 2)

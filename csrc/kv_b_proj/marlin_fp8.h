@@ -1,28 +1,53 @@
-// Marlin-style packed FP8 (W8A16) weights for kv_b_proj: the ONE definition of
-// the packed layout, the e4m3 -> bf16/fp16 bit-shift dequant and the scale
-// permutation. The CUDA GEMM, the CUDA/CPU repack and the CPU reference GEMM all
-// use these inline functions, so the CPU tests prove the layout the GPU reads.
-// Torch-free (kernels and CPU files include only this).
+// Marlin FP8 (W8A16) weights for kv_b_proj in vLLM's post-load layout (what
+// vLLM's process_weights_after_loading leaves in `weight` / `weight_scale` for
+// a Marlin fp8 layer), so a vLLM layer's tensors are read as they are, with no
+// conversion copy. This header is the ONE definition of the layout, of the
+// e4m3 -> bf16/fp16 bit-shift dequant and of the scale permutation: the CUDA
+// GEMM, the CUDA/CPU repack and the CPU reference GEMM all use these inline
+// functions, so the CPU tests prove the layout the GPU reads. The same layout
+// is described in mla_ext/kv_b_proj/marlin.py (a test keeps the two texts
+// equal). Torch-free (kernels and CPU files include only this).
 //
 // Math: C[M, N] = A[M, K] · (decode(W)[N, K] · scale)^T, W float8_e4m3fn.
 //
-// ---------------------------------------------------------------------------
-// qweight layout (int32, shape [N_pad / 64, 16 * K], N_pad = N rounded up to 64)
-// ---------------------------------------------------------------------------
-// The weight is cut into tiles of 64 output columns (n) × 16 reduction steps
-// (k). Tile (nt, kt) is 256 consecutive int32 words starting at word
-//   (nt * (K / 16) + kt) * 256,
-// so one 64-column panel is contiguous over all of K (a CTA streams it front to
-// back). Inside a tile, word  lane * 8 + j  (lane 0..31, j 0..7) is exactly what
-// warp lane `lane` needs for the mma.sync.m16n8k16 B fragment of the j-th
-// 8-column sub-tile: with g = lane / 4, t = lane % 4,
-//   n = nt*64 + j*8 + g,  k0 = kt*16 + 2*t,
-//   byte 0 = W[n][k0], byte 1 = W[n][k0+1], byte 2 = W[n][k0+8], byte 3 = W[n][k0+9]
-// (byte 0 = least significant). B fragment register b0 holds k0, k0+1 and b1
-// holds k0+8, k0+9 (low half = lower k), so one word dequantizes into the two
-// B registers with byte moves and masks only. A lane's 8 words are 32
-// contiguous bytes (two 16-byte loads) and a warp reads a tile as 1 KiB of
-// contiguous memory. Columns n >= N are zero bytes (decode to +0).
+// LAYOUT BEGIN
+// qweight: int32 [K/16, 4*N_pad], N_pad = N rounded up to 64 (vLLM: N % 64 == 0, so [K/16, 4N]).
+//   The weight is cut into tiles of 16 k (reduction) x 64 n (output columns).
+//   Tile (kt, nt) is the 256 consecutive words starting at word (kt * N_pad/64 + nt) * 256,
+//   i.e. row kt of qweight holds the tiles of k-tile kt for every 64-column block (k-tiles outermost).
+//   Inside a tile, word lane*8 + j (lane 0..31, j 0..7) feeds warp lane `lane` the
+//   mma.sync.m16n8k16 B fragment of the j-th 8-column sub-tile; with g = lane / 4, t = lane % 4:
+//     n = nt*64 + j*8 + g,  k0 = kt*16 + 2*t,
+//     byte 0 = W[n][k0], byte 1 = W[n][k0+8], byte 2 = W[n][k0+1], byte 3 = W[n][k0+9]
+//   (byte 0 = least significant). Columns n >= N are zero bytes.
+// scales: activation dtype (bf16 or fp16, the model dtype), [G, N_pad]; G = 1 (per-channel)
+//   or K/128 (group_size 128 with K > 128; group_size == K is per-channel).
+//   Value: the fp32 scale times 2^120 (bf16) or 2^8 (fp16), rounded once to the activation dtype.
+//   Row g holds k-group g, permuted inside blocks of columns:
+//   per-channel, 32-column blocks: position 8*i + x holds column 2*i + (x % 2) + 8*(x / 2)
+//     (i 0..3, x 0..7), i.e. column c sits at 8*((c % 8) / 2) + 2*((c % 32) / 8) + c % 2;
+//   grouped, 64-column blocks: position 8*i + x holds column i + 8*x (an 8x8 transpose),
+//     i.e. column c sits at 8*(c % 8) + c / 8.
+//   Padded columns hold 0.
+// LAYOUT END
+//
+// Why this byte order: B fragment register b0 holds (k0, k0+1) and b1 holds
+// (k0+8, k0+9), lower k in the low half. With bytes (k0, k0+8, k0+1, k0+9),
+// bytes 1 and 3 already sit in the high byte of each 16-bit half (b1), and a
+// left shift by 8 puts bytes 0 and 2 there (b0): the dequant is masks and
+// shifts only. A lane's 8 words are 32 contiguous bytes (two 16-byte loads),
+// a warp reads a tile as 1 KiB of contiguous memory.
+//
+// Scale permutation, derived from the lanes that consume it: the m16n8k16
+// accumulators of lane (g, t) are the columns j*8 + 2t + e (j 0..7, e 0..1).
+// Per-channel: in 32-column block b, column 8*jj + 2t + e (jj 0..3) sits at
+// position 8t + 2*jj + e, so a lane's 16 scales are positions 8t..8t+7 and
+// 32+8t..32+8t+7 of the 64-column panel (two 16-byte loads). Grouped: column
+// 8j + 2t + e sits at 8*(2t+e) + j, so a lane's 16 scales are positions
+// 16t..16t+15 (two 16-byte loads; e = 0 first, then e = 1). (vLLM's own kernel
+// reads the grouped scales per B-fragment column g instead, 8*g + j: the same
+// transpose.) This kernel multiplies each group's fp32 partial sum by the
+// scale (widened to fp32), for either kind.
 //
 // ---------------------------------------------------------------------------
 // Dequant (bit shift, exponent bias carried by the scale)
@@ -34,21 +59,13 @@
 // This is exact for every e4m3 value, subnormals included (an e4m3 subnormal
 // 0.mmm * 2^-6 lands on the wider type's subnormal 0.mmm * 2^-14 / 2^-126, i.e.
 // the same factor). 0x7f / 0xff (NaN) are rejected by the repack.
-// The factor 2^8 / 2^120 is folded into the scales (kFoldLog2).
-//
-// ---------------------------------------------------------------------------
-// scales layout (fp32, shape [G, N_pad]; G = 1 per-channel, K / 128 group-128)
-// ---------------------------------------------------------------------------
-// Row g holds the scale of k-group g (all of K for per-channel) times 2^fold,
-// permuted inside every 64-column block so that the 16 scales one lane's
-// accumulators need (columns j*8 + 2*t + e, j 0..7, e 0..1) are 16 consecutive
-// floats starting at position t*16 (four 16-byte loads):
-//   position(t, j, e) = t*16 + j*2 + e  <->  column j*8 + t*2 + e.
-// Padded columns hold 0. Scales stay fp32 (not the activation dtype): they are
-// applied to fp32 partial sums in the epilogue, so rounding them to bf16 would
-// only lose accuracy, and fp16 could not hold scale * 2^8 for scales >= 256.
-// The folded value must be finite in fp32: |scale| * 2^120 < 2^128 for bf16,
-// i.e. |scale| < 256 (fp8 weight scales are amax/448, far smaller).
+// The factor 2^8 / 2^120 is folded into the scales (fold_log2). mla_ext's
+// repack multiplies in fp32 and rounds once; vLLM rounds the scale to the
+// activation dtype first and multiplies there, which gives the same bits
+// whenever the unfolded scale is a normal number of the activation dtype
+// (always for bf16; for fp16 scales >= 2^-14). The folded scale must be finite
+// in the activation dtype, i.e. |scale| below about 256 (the largest finite
+// bf16 is 2^128 (1 - 2^-8), fp16 65504 = 2^8 * 255.875).
 //
 // GEMM constraints: K % 16 == 0 (K % 128 == 0 with group_size 128); any M and
 // any N (columns are padded to 64 and masked on store); CUDA: A's row stride
@@ -88,22 +105,22 @@ MLA_MARLIN_HD constexpr int dequant_shift(ActKind a) { return a == ActKind::kFp1
 
 MLA_MARLIN_HD int64_t padded_n(int64_t n) { return (n + kTileN - 1) / kTileN * kTileN; }
 
-// First word of tile (nt, kt).
-MLA_MARLIN_HD int64_t tile_word(int64_t nt, int64_t kt, int64_t k_tiles) {
-  return (nt * k_tiles + kt) * kWordsPerTile;
+// First word of tile (kt, nt); n_tiles = N_pad / 64 (k-tiles outermost).
+MLA_MARLIN_HD int64_t tile_word(int64_t kt, int64_t nt, int64_t n_tiles) {
+  return (kt * n_tiles + nt) * kWordsPerTile;
 }
 
 // Column (inside the 64-column tile) and first k (inside the 16-k tile) of
 // word lane*8 + j.
 MLA_MARLIN_HD int word_col(int lane, int j) { return j * 8 + lane / 4; }
 MLA_MARLIN_HD int word_k0(int lane) { return (lane % 4) * 2; }
-// k offset (from word_k0) of byte b of a word.
-MLA_MARLIN_HD int byte_dk(int b) { return (b & 1) + (b >> 1) * 8; }
+// k offset (from word_k0) of byte b of a word: 0, 8, 1, 9.
+MLA_MARLIN_HD int byte_dk(int b) { return (b >> 1) + (b & 1) * 8; }
 
-// Word `lane*8 + j` of tile (nt, kt) built from a row-major fp8 [N, K] byte
-// array (row stride ldw); rows >= n give zero bytes. Caller ensures K % 16 == 0.
-MLA_MARLIN_HD uint32_t pack_word(const uint8_t* w, int64_t ldw, int64_t n_rows, int64_t nt,
-                                 int64_t kt, int lane, int j) {
+// Word `lane*8 + j` of tile (kt, nt) built from a row-major fp8 [N, K] byte
+// array (row stride ldw); rows >= n_rows give zero bytes. Caller ensures K % 16 == 0.
+MLA_MARLIN_HD uint32_t pack_word(const uint8_t* w, int64_t ldw, int64_t n_rows, int64_t kt,
+                                 int64_t nt, int lane, int j) {
   const int64_t n = nt * kTileN + word_col(lane, j);
   if (n >= n_rows) return 0u;
   const uint8_t* row = w + n * ldw + kt * kTileK + word_k0(lane);
@@ -112,30 +129,48 @@ MLA_MARLIN_HD uint32_t pack_word(const uint8_t* w, int64_t ldw, int64_t n_rows, 
   return q;
 }
 
-// Permuted scale position (inside a 64-column block) of column c, and back.
-MLA_MARLIN_HD int scale_pos(int c) { return ((c % 8) / 2) * 16 + (c / 8) * 2 + (c % 2); }
-MLA_MARLIN_HD int scale_col(int pos) {
-  const int t = pos / 16, j = (pos % 16) / 2, e = pos % 2;
-  return j * 8 + t * 2 + e;
+// Whether the scales are grouped (G > 1, 64-column transpose) or per-channel
+// (G == 1, 32-column permutation). group_size == K counts as per-channel.
+MLA_MARLIN_HD bool grouped_scales(int64_t K, int64_t group_size) { return group_size > 0 && group_size < K; }
+
+// Permuted scale position (inside a 64-column panel) of column c, and back.
+MLA_MARLIN_HD int scale_pos(int c, bool grouped) {
+  if (grouped) return (c % 8) * 8 + c / 8;
+  return (c / 32) * 32 + ((c % 8) / 2) * 8 + ((c % 32) / 8) * 2 + c % 2;
 }
+MLA_MARLIN_HD int scale_col(int pos, bool grouped) {
+  if (grouped) return (pos % 8) * 8 + pos / 8;  // the transpose is its own inverse
+  const int x = pos % 8;
+  return (pos / 32) * 32 + ((pos % 32) / 8) * 2 + (x % 2) + (x / 2) * 8;
+}
+
+// The 16 scales lane t needs (columns j*8 + 2t + e, j 0..7, e 0..1) are two
+// runs of 8 consecutive positions: run r (0, 1) starts at lane_scale_run(t, r),
+// and column (j, e) is element lane_scale_elem(j, e) of run lane_scale_which(j, e).
+MLA_MARLIN_HD constexpr int lane_scale_run(bool grouped, int t, int r) {
+  return grouped ? 16 * t + 8 * r : 32 * r + 8 * t;
+}
+MLA_MARLIN_HD constexpr int lane_scale_which(bool grouped, int j, int e) { return grouped ? e : j / 4; }
+MLA_MARLIN_HD constexpr int lane_scale_elem(bool grouped, int j, int e) { return grouped ? j : 2 * (j % 4) + e; }
 
 // One packed word -> the two 32-bit B-fragment registers (each two 16-bit
 // values of the activation type, scaled by 2^-fold): out[0] = (k0, k0+1),
-// out[1] = (k0+8, k0+9), lower k in the low half.
+// out[1] = (k0+8, k0+9), lower k in the low half. Bytes 1 and 3 (k0+8, k0+9)
+// already sit in the high byte of each 16-bit half; << 8 moves bytes 0 and 2
+// (k0, k0+1) there.
 template <ActKind kAct>
 MLA_MARLIN_HD void dequant_word(uint32_t q, uint32_t out[2]) {
-#if defined(__CUDA_ARCH__)
-  // Byte moves in one instruction each: bytes 0,1 (resp. 2,3) into the high
-  // byte of each 16-bit half, zero (selector 4 = byte 0 of the 0 operand) below.
-  const uint32_t r0 = __byte_perm(q, 0u, 0x1404);
-  const uint32_t r1 = __byte_perm(q, 0u, 0x3424);
-#else
-  const uint32_t r0 = ((q & 0x000000FFu) << 8) | ((q & 0x0000FF00u) << 16);
-  const uint32_t r1 = ((q & 0x00FF0000u) >> 8) | (q & 0xFF000000u);
-#endif
   constexpr int kShift = dequant_shift(kAct);
+  const uint32_t r0 = q << 8;
   out[0] = (r0 & 0x80008000u) | ((r0 & 0x7F007F00u) >> kShift);
-  out[1] = (r1 & 0x80008000u) | ((r1 & 0x7F007F00u) >> kShift);
+  out[1] = (q & 0x80008000u) | ((q & 0x7F007F00u) >> kShift);
+}
+
+// The 16-bit value of byte b of a word after dequant_word: byte b (k offset
+// byte_dk(b): 0, 8, 1, 9) is in register b & 1 (0: k0/k0+1, 1: k0+8/k0+9),
+// half b >> 1 (0: low = lower k).
+MLA_MARLIN_HD uint16_t dequant_half(const uint32_t regs[2], int b) {
+  return static_cast<uint16_t>(regs[b & 1] >> ((b >> 1) * 16));
 }
 
 // Host-side decoders of the 16-bit patterns (the CPU reference works in fp32).
@@ -167,17 +202,17 @@ inline float dequant_byte(uint32_t q, int b, ActKind a) {
   } else {
     dequant_word<ActKind::kBf16>(q, regs);
   }
-  const uint16_t h = static_cast<uint16_t>(regs[b >> 1] >> ((b & 1) * 16));
-  return act_bits_to_float(h, a);
+  return act_bits_to_float(dequant_half(regs, b), a);
 }
 
 // Decodes one 64-column panel (tile column nt) over all of K into fp32
 // panel[c * K + k] (c = column inside the tile), reading the packed words with
 // the layout above; still carries the 2^-fold factor. Host only.
-inline void decode_panel(const uint32_t* qweight, int64_t nt, int64_t K, ActKind a, float* panel) {
+inline void decode_panel(const uint32_t* qweight, int64_t nt, int64_t n_tiles, int64_t K, ActKind a,
+                         float* panel) {
   const int64_t k_tiles = K / kTileK;
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
-    const uint32_t* tile = qweight + tile_word(nt, kt, k_tiles);
+    const uint32_t* tile = qweight + tile_word(kt, nt, n_tiles);
     for (int lane = 0; lane < 32; ++lane) {
       for (int j = 0; j < kWordsPerLane; ++j) {
         const uint32_t q = tile[lane * kWordsPerLane + j];
@@ -190,18 +225,25 @@ inline void decode_panel(const uint32_t* qweight, int64_t nt, int64_t K, ActKind
 
 #if !defined(__CUDACC__)
 // Host: calls f(n, w, s) for every real column n < N, where w is the column's
-// decoded fp32 weights over K (2^-fold included) and s its first packed scale
-// (group g at s[g * N_pad]). Parallel over 64-column panels.
+// decoded fp32 weights over K (2^-fold included) and s its group scales, fp32
+// (scale of group g at s[g]; the folded factor included). Parallel over
+// 64-column panels.
 template <class F>
-void for_each_decoded_column(const uint32_t* qweight, const float* scales, int64_t N, int64_t K, ActKind a,
-                             F&& f) {
-  const int64_t n_tiles = padded_n(N) / kTileN;
+void for_each_decoded_column(const uint32_t* qweight, const uint16_t* scales, int64_t N, int64_t K,
+                             int64_t group_size, ActKind a, F&& f) {
+  const int64_t n_pad = padded_n(N), n_tiles = n_pad / kTileN;
+  const int64_t groups = group_size > 0 ? K / group_size : 1;
+  const bool grouped = grouped_scales(K, group_size);
 #pragma omp parallel for
   for (int64_t nt = 0; nt < n_tiles; ++nt) {
     std::vector<float> panel(static_cast<size_t>(kTileN * K));
-    decode_panel(qweight, nt, K, a, panel.data());
-    for (int c = 0; c < kTileN && nt * kTileN + c < N; ++c)
-      f(nt * kTileN + c, panel.data() + c * K, scales + nt * kTileN + scale_pos(c));
+    std::vector<float> s(static_cast<size_t>(groups));
+    decode_panel(qweight, nt, n_tiles, K, a, panel.data());
+    for (int c = 0; c < kTileN && nt * kTileN + c < N; ++c) {
+      for (int64_t g = 0; g < groups; ++g)
+        s[g] = act_bits_to_float(scales[g * n_pad + nt * kTileN + scale_pos(c, grouped)], a);
+      f(nt * kTileN + c, panel.data() + c * K, s.data());
+    }
   }
 }
 #endif
@@ -211,34 +253,34 @@ void for_each_decoded_column(const uint32_t* qweight, const float* scales, int64
 // ---------------------------------------------------------------------------
 
 struct RepackParams {
-  const uint8_t* w;        // fp8 bytes [N, K], row stride ldw
+  const uint8_t* w;           // fp8 bytes [N, K], row stride ldw
   int64_t ldw;
-  const float* scales;     // [G, N] row-major fp32 (unfolded)
+  const uint16_t* scales;     // [G, N] row-major, already folded and rounded to the act dtype (bits)
   int64_t N, K, G;
-  ActKind act;
-  uint32_t* qweight;       // out [N_pad/64, 16*K]
-  float* scales_out;       // out [G, N_pad] (permuted, folded)
+  bool grouped;               // grouped_scales(K, group_size)
+  uint32_t* qweight;          // out [K/16, 4*N_pad]
+  uint16_t* scales_out;       // out [G, N_pad] (permuted; padded columns 0)
 };
 
 struct GemmParams {
-  const uint16_t* a;       // [M, K] bf16/fp16 bits, row stride lda (elements)
+  const uint16_t* a;          // [M, K] bf16/fp16 bits, row stride lda (elements)
   int64_t lda;
-  const uint32_t* qweight;
-  const float* scales;     // packed [G, N_pad]
-  void* c;                 // [M, N], row stride ldc (elements)
+  const uint32_t* qweight;    // [K/16, 4*N_pad]
+  const uint16_t* scales;     // [G, N_pad], act dtype bits
+  void* c;                    // [M, N], row stride ldc (elements)
   int64_t ldc;
   int64_t M, N, K;
-  int64_t group_size;      // -1 per-channel, or 128
+  int64_t group_size;         // -1 per-channel, or 128
   ActKind act;
   OutKind out;
 };
 
 struct DequantParams {
   const uint32_t* qweight;
-  const float* scales;     // packed [G, N_pad]
+  const uint16_t* scales;     // [G, N_pad], act dtype bits
   int64_t N, K, group_size;
   ActKind act;
-  float* out;              // [N, K] fp32 contiguous
+  float* out;                 // [N, K] fp32 contiguous
 };
 
 // k-tiles per scale group (all of K for per-channel).

@@ -1,19 +1,21 @@
-// W8A16 GEMM on the packed FP8 layout (marlin_fp8.h):
+// W8A16 GEMM on the packed FP8 layout (vLLM's Marlin layout, marlin_fp8.h):
 //   C[M, N] = A[M, K] · (decode(W) · scale)^T,  A bf16/fp16 with row stride lda >= K.
 //
 // Small-M design (M <= 16 is weight-bandwidth bound): one CTA per 64-column
 // weight panel and 16-row block of A, so every SM streams a disjoint part of
 // the weight once. The CTA's 4 warps split K (warp w takes k-tiles w, w+4, ...)
 // and each runs its own cp.async pipeline (kStages deep) of 1 KiB weight tiles
-// plus the matching 16x16 A tile, so no block-wide barrier sits in the main
-// loop. A warp dequantizes each weight word in registers (byte moves + masks)
-// into m16n8k16 B fragments and issues 8 mma.sync per k-tile with fp32
-// accumulation. Scales (fp32, bias folded) are applied to each group's fp32
-// partial sum when the group ends (per-channel: one group = all of K). The 4
-// warps' partials are summed through shared memory and stored with the row
-// (M) and column (N) masks. Larger M loops over 16-row blocks (grid.y); large
-// M is compute-bound and meant for the dequantize-once + 16-bit GEMM path.
-// Needs sm_80+ (cp.async, bf16 mma); no fp8 mma is used, so it runs on sm_86.
+// (tile (kt, nt) of the panel: qweight row kt, words nt*256 ...) plus the
+// matching 16x16 A tile, so no block-wide barrier sits in the main loop. A
+// warp dequantizes each weight word in registers (masks + shifts) into
+// m16n8k16 B fragments and issues 8 mma.sync per k-tile with fp32
+// accumulation. Scales (activation dtype, bias folded) are widened to fp32 and
+// applied to each group's fp32 partial sum when the group ends (per-channel:
+// one group = all of K). The 4 warps' partials are summed through shared
+// memory and stored with the row (M) and column (N) masks. Larger M loops over
+// 16-row blocks (grid.y); large M is compute-bound and meant for the
+// dequantize-once + 16-bit GEMM path. Needs sm_80+ (cp.async, bf16 mma); no
+// fp8 mma is used, so it runs on sm_86.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -66,6 +68,28 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+template <ActKind kAct>
+__device__ __forceinline__ float act_to_float(uint32_t h16) {
+  if constexpr (kAct == ActKind::kFp16) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h16)));
+  } else {
+    return __uint_as_float(h16 << 16);
+  }
+}
+
+// The lane's 16 scales (two runs of 8, see lane_scale_run) -> sc[j][e] in fp32.
+template <ActKind kAct, bool kGrouped>
+__device__ __forceinline__ void unpack_scales(const uint4& r0, const uint4& r1, float (&sc)[8][2]) {
+  const uint32_t w[2][4] = {{r0.x, r0.y, r0.z, r0.w}, {r1.x, r1.y, r1.z, r1.w}};
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int el = lane_scale_elem(kGrouped, j, e);
+      sc[j][e] = act_to_float<kAct>((w[lane_scale_which(kGrouped, j, e)][el / 2] >> (16 * (el % 2))) & 0xFFFFu);
+    }
+}
+
 template <ActKind kAct, typename OutT>
 __global__ void __launch_bounds__(kThreads) marlin_fp8_gemm_kernel(GemmParams p) {
   // Per-warp pipelines: weight tiles (1 KiB) and A tiles (16x16, 512 B).
@@ -77,11 +101,15 @@ __global__ void __launch_bounds__(kThreads) marlin_fp8_gemm_kernel(GemmParams p)
   const int g = lane / 4, t = lane % 4;
   const int64_t nt = blockIdx.x;
   const int64_t k_tiles = p.K / kTileK;
-  const int64_t n_pad = padded_n(p.N);
+  const int64_t n_pad = padded_n(p.N), n_tiles = n_pad / kTileN;
   const int64_t gt = group_tiles(p.K, p.group_size);
+  const bool grouped = grouped_scales(p.K, p.group_size);
   const int64_t my_tiles = k_tiles > warp ? (k_tiles - warp + kWarps - 1) / kWarps : 0;
-  const uint32_t* w_lane = p.qweight + tile_word(nt, 0, k_tiles) + lane * kWordsPerLane;
-  const float* s_lane = p.scales + nt * kTileN + t * 16;
+  // Tile kt of this panel starts at w_lane + kt * k_stride (k-tiles outermost).
+  const uint32_t* w_lane = p.qweight + tile_word(0, nt, n_tiles) + lane * kWordsPerLane;
+  const int64_t k_stride = n_tiles * kWordsPerTile;
+  const uint16_t* s_run0 = p.scales + nt * kTileN + lane_scale_run(grouped, t, 0);
+  const uint16_t* s_run1 = p.scales + nt * kTileN + lane_scale_run(grouped, t, 1);
   // A copy: lane copies 8 elements (16 B) of row lane/2 of the 16x16 tile.
   const int a_row = lane / 2, a_col = (lane % 2) * 8;
   const int64_t m_blocks = (p.M + kRows - 1) / kRows;
@@ -95,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) marlin_fp8_gemm_kernel(GemmParams p)
     auto issue = [&](int64_t i) {
       const int st = static_cast<int>(i % kStages);
       const int64_t kt = warp + i * kWarps;
-      const uint32_t* src = w_lane + kt * kWordsPerTile;
+      const uint32_t* src = w_lane + kt * k_stride;
       cp_async16(&s_w[warp][st][lane * kWordsPerLane], src, true);
       cp_async16(&s_w[warp][st][lane * kWordsPerLane + 4], src + 4, true);
       cp_async16(&s_a[warp][st][a_row * kTileK + a_col], a_src + kt * kTileK, a_valid);
@@ -140,19 +168,21 @@ __global__ void __launch_bounds__(kThreads) marlin_fp8_gemm_kernel(GemmParams p)
       const int64_t kt = warp + i * kWarps;
       if (i + 1 == my_tiles || (kt + kWarps) / gt != kt / gt) {
         // Group ends for this warp: acc += part * scale[group] (16 scales per lane).
-        const float4* sp = reinterpret_cast<const float4*>(s_lane + (kt / gt) * n_pad);
-        float sc[16];
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const float4 x = __ldg(sp + v);
-          sc[4 * v] = x.x, sc[4 * v + 1] = x.y, sc[4 * v + 2] = x.z, sc[4 * v + 3] = x.w;
+        const int64_t row = (kt / gt) * n_pad;
+        const uint4 r0 = __ldg(reinterpret_cast<const uint4*>(s_run0 + row));
+        const uint4 r1 = __ldg(reinterpret_cast<const uint4*>(s_run1 + row));
+        float sc[8][2];
+        if (grouped) {
+          unpack_scales<kAct, true>(r0, r1, sc);
+        } else {
+          unpack_scales<kAct, false>(r0, r1, sc);
         }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          acc[j][0] += part[j][0] * sc[2 * j];
-          acc[j][1] += part[j][1] * sc[2 * j + 1];
-          acc[j][2] += part[j][2] * sc[2 * j];
-          acc[j][3] += part[j][3] * sc[2 * j + 1];
+          acc[j][0] += part[j][0] * sc[j][0];
+          acc[j][1] += part[j][1] * sc[j][1];
+          acc[j][2] += part[j][2] * sc[j][0];
+          acc[j][3] += part[j][3] * sc[j][1];
 #pragma unroll
           for (int e = 0; e < 4; ++e) part[j][e] = 0.0f;
         }

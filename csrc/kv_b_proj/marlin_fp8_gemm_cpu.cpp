@@ -11,7 +11,6 @@ namespace mla_ext {
 namespace marlin_fp8 {
 
 void marlin_fp8_gemm_cpu(const GemmParams& p) {
-  const int64_t n_pad = padded_n(p.N);
   const int64_t gk = p.group_size > 0 ? p.group_size : p.K;
   const int64_t groups = p.K / gk;
   float* c_out = static_cast<float*>(p.c);
@@ -20,14 +19,15 @@ void marlin_fp8_gemm_cpu(const GemmParams& p) {
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t k = 0; k < p.K; ++k) a[m * p.K + k] = act_bits_to_float(p.a[m * p.lda + k], p.act);
 
-  for_each_decoded_column(p.qweight, p.scales, p.N, p.K, p.act, [&](int64_t n, const float* w, const float* s) {
+  for_each_decoded_column(p.qweight, p.scales, p.N, p.K, p.group_size, p.act,
+                          [&](int64_t n, const float* w, const float* s) {
     for (int64_t m = 0; m < p.M; ++m) {
       const float* am = a.data() + m * p.K;
       float acc = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
         float part = 0.0f;
         for (int64_t k = g * gk; k < (g + 1) * gk; ++k) part += am[k] * w[k];
-        acc += part * s[g * n_pad];
+        acc += part * s[g];
       }
       c_out[m * p.ldc + n] = acc;
     }

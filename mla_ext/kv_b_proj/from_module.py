@@ -12,6 +12,7 @@ object with the checkpoint's attribute names holds:
 | `weight` fp8 e4m3 + `weight_scale` [], [1], [N] or [N, 1] | Fp8Weight per-tensor / per-channel |
 | `weight` uint8 [N, K/2] + `weight_scale` e4m3 [N, K/16] + `weight_scale_2` | Nvfp4Weight (ModelOpt) |
 | `qweight` int32 [K/8, N] + `scales` [K/g, N] (+ `qzeros`/`zeros`, `g_idx`) | Int4GroupWeight (GPTQ layout) |
+| `weight` int32 [K/16, 4N] + `weight_scale` or `weight_scale_inv` [G, N] + a `workspace` (or `marlin_workspace`) attribute | MarlinFp8Weight (vLLM Marlin fp8 after loading, no copy) |
 
 Model dtype (`params_dtype` of the result): the `params_dtype` argument, else
 the object's `compute_dtype`, `params_dtype` or `orig_dtype` (vLLM's fp8
@@ -37,9 +38,17 @@ Other facts:
   says `checkpoint_format = "gptq_v2"`; an unpacked [K/g, N] `qzeros`/`zeros`
   holds the zero points themselves; none means symmetric (zero 8). Only 4-bit
   weights, and `g_idx` only in its trivial (no act-order) form.
-- int32 `.weight` (vLLM's Marlin repack, whose tile order differs from
-  mla_ext's) is not read: build `MarlinFp8Weight.from_checkpoint` from the
-  checkpoint fp8 weight and scale.
+- int32 `.weight` is read as vLLM's post-load Marlin fp8 layout (mla_ext's
+  own, see mla_ext/kv_b_proj/marlin.py) only when the object says it is one:
+  it has the Marlin `workspace` (or `marlin_workspace`) attribute vLLM's
+  `prepare_fp8_layer_for_marlin` sets, or the caller calls
+  `MarlinFp8Weight.from_vllm_layer(layer)` itself. The tensors are used
+  without a copy. Sizes: `output_size_per_partition`/`input_size_per_partition`
+  when stated, else read off the Marlin shape [K/16, 4N]; group size:
+  `weight_block_size[1]` (block fp8), else per-channel; scales: `weight_scale`
+  or `weight_scale_inv` (vLLM keeps the checkpoint's name), in the model dtype.
+  An int32 weight without such a statement is a ValueError (a shape alone
+  does not say which packing it is).
 A mapping (a state-dict slice {"weight": ..., "weight_scale_inv": ...}) is
 read like an object with those attributes. What cannot be recognised is a
 ValueError listing the tensor attributes found (name, dtype, shape).
@@ -199,6 +208,48 @@ def _int4(obj, t: dict[str, torch.Tensor], dt: torch.dtype, arg: str) -> W.Int4G
     return W.Int4GroupWeight(qweight, scales, group_size, dt, zeros)
 
 
+_MARLIN_MARKERS = ("workspace", "marlin_workspace")
+
+
+def _states_vllm_marlin(obj) -> bool:
+    """The object says it is a vLLM Marlin layer (vLLM sets `workspace` when it repacks)."""
+    return any(_get(obj, name) is not None for name in _MARLIN_MARKERS)
+
+
+def _marlin(obj, t: dict[str, torch.Tensor], dt: torch.dtype, arg: str) -> W.MarlinFp8Weight:
+    weight = t["weight"]
+    inv, scale = t.get("weight_scale_inv"), t.get("weight_scale")
+    if (inv is None) == (scale is None):
+        raise ValueError(f"{arg}: a vLLM Marlin fp8 layer needs exactly one of `weight_scale` / `weight_scale_inv` "
+                         f"(the permuted, bias-folded Marlin scales); tensor attributes found: {_listing(t)}")
+    if weight.dim() != 2:
+        raise ValueError(f"{arg}.weight: expected a 2-D Marlin qweight [K/16, 4N], got {list(weight.shape)}")
+    block = _get(obj, "weight_block_size")
+    if block is None:
+        group_size = -1
+    elif isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) for b in block):
+        group_size = block[1]  # vLLM's Marlin groups along K by the block's K size
+    else:
+        raise ValueError(f"{arg}.weight_block_size: expected None or [block_n, block_k], got {block!r}")
+    sizes = _declared_sizes(obj)
+    # The object stated it is Marlin, so its shape gives the sizes when it states none.
+    n, k = sizes if sizes is not None else (weight.shape[1] // 4, weight.shape[0] * 16)
+    return W.MarlinFp8Weight.from_vllm(weight, scale if scale is not None else inv, n, k, group_size, dt)
+
+
+def marlin_vllm_layer(layer, params_dtype: torch.dtype | None = None, *, arg: str = "layer") -> W.MarlinFp8Weight:
+    """`MarlinFp8Weight.from_vllm_layer`: a vLLM Marlin fp8 layer (or a mapping of its
+    attributes) after process_weights_after_loading, read without a copy."""
+    if isinstance(layer, Mapping):
+        layer = types.SimpleNamespace(**{str(k): v for k, v in layer.items()})
+    t = _tensor_attrs(layer)
+    weight = t.get("weight")
+    if weight is None or weight.dtype != torch.int32:
+        raise ValueError(f"{arg}.weight: expected the int32 Marlin qweight [K/16, 4N]; tensor attributes found: "
+                         f"{_listing(t)}")
+    return _marlin(layer, t, _model_dtype(layer, params_dtype, arg, "Marlin-packed int32 weights"), arg)
+
+
 def weight_format_from_module(module, params_dtype: torch.dtype | None = None, *,
                               arg: str = "module") -> W.WeightFormat:
     """The kv_b_proj WeightFormat of `module` (see the module doc for what is read).
@@ -241,9 +292,13 @@ def weight_format_from_module(module, params_dtype: torch.dtype | None = None, *
         weight = _oriented(module, weight, arg, per_byte=2)
         return _nvfp4(t, weight, _model_dtype(module, params_dtype, arg, "NVFP4 (uint8) weights"), arg)
     if wd == torch.int32:
-        raise ValueError(f"{arg}.weight: int32 is a packed layout (e.g. vLLM's Marlin fp8 repack, whose tile "
-                         "order differs from mla_ext's) and is not read; build MarlinFp8Weight.from_checkpoint("
-                         f"weight, weight_scale, params_dtype) from the checkpoint fp8 tensors instead; tensor "
+        if _states_vllm_marlin(module):
+            return _marlin(module, t, _model_dtype(module, params_dtype, arg, "Marlin-packed int32 weights"), arg)
+        raise ValueError(f"{arg}.weight: int32 is a packed layout and the object does not say which (e.g. vLLM's "
+                         "Marlin fp8 layer has a `workspace` attribute); for a vLLM Marlin fp8 layer call "
+                         "MarlinFp8Weight.from_vllm_layer(layer) or MarlinFp8Weight.from_vllm(qweight, scales, "
+                         "size_n, size_k, group_size, params_dtype), or build MarlinFp8Weight.from_checkpoint("
+                         f"weight, weight_scale, params_dtype) from the checkpoint fp8 tensors; tensor "
                          f"attributes found: {_listing(t)}")
     raise ValueError(f"{arg}.weight: unsupported dtype {wd}; expected bf16/fp16/fp32 (dense), float8_e4m3fn "
                      f"(fp8) or uint8 (NVFP4); tensor attributes found: {_listing(t)}")

@@ -1,26 +1,50 @@
-"""Marlin-style packed FP8 weights (W8A16) for kv_b_proj.
+"""Marlin packed FP8 weights (W8A16) for kv_b_proj, in vLLM's post-load layout.
 
-The fp8 [N, K] weight is regrouped into int32 words laid out for the
-`mma.sync.m16n8k16` B fragment (csrc/kv_b_proj/marlin_fp8.h documents the
-layout byte by byte). The kernel dequantizes by shifting the e4m3 bits into
-bf16/fp16 positions; the missing exponent bias (2^120 for bf16, 2^8 for fp16)
-is folded into the scales, so a packed weight is tied to ONE activation dtype
-(`act_dtype`) and its storage dtype (int32) says nothing about the compute
-dtype (SPEC §5).
+mla_ext's native packed layout IS vLLM's Marlin fp8 layout (what vLLM's
+`process_weights_after_loading` leaves in a Marlin fp8 layer's `weight` and
+`weight_scale`/`weight_scale_inv`), so `marlin_fp8_from_vllm` (and
+`MarlinFp8Weight.from_vllm`) wraps a vLLM layer's tensors as they are, with no
+conversion copy, and `marlin_fp8_repack` produces the same bytes from an fp8
+checkpoint weight. csrc/kv_b_proj/marlin_fp8.h is the definition the kernels
+use; the block below is the same text (tests/test_kv_b_proj_marlin.py keeps the
+two equal and checks the repack against it and against `word_location` /
+`scale_position` here):
 
-Scales: input orientation is fp32 `[N]` (per-channel, group_size=-1) or
-`[K/128, N]` (group_size=128: row g scales k in [128g, 128g+128)). They are
-stored as fp32 `[G, N_pad]` (permuted per 64-column block, bias folded), not in
-the activation dtype: they multiply fp32 partial sums in the kernel epilogue,
-so rounding them to bf16 would only lose accuracy, and fp16 cannot hold
-scale * 2^8 for scales >= 256. The folded scale must be finite in fp32
-(|scale| < 256 for bf16).
+LAYOUT BEGIN
+qweight: int32 [K/16, 4*N_pad], N_pad = N rounded up to 64 (vLLM: N % 64 == 0, so [K/16, 4N]).
+  The weight is cut into tiles of 16 k (reduction) x 64 n (output columns).
+  Tile (kt, nt) is the 256 consecutive words starting at word (kt * N_pad/64 + nt) * 256,
+  i.e. row kt of qweight holds the tiles of k-tile kt for every 64-column block (k-tiles outermost).
+  Inside a tile, word lane*8 + j (lane 0..31, j 0..7) feeds warp lane `lane` the
+  mma.sync.m16n8k16 B fragment of the j-th 8-column sub-tile; with g = lane / 4, t = lane % 4:
+    n = nt*64 + j*8 + g,  k0 = kt*16 + 2*t,
+    byte 0 = W[n][k0], byte 1 = W[n][k0+8], byte 2 = W[n][k0+1], byte 3 = W[n][k0+9]
+  (byte 0 = least significant). Columns n >= N are zero bytes.
+scales: activation dtype (bf16 or fp16, the model dtype), [G, N_pad]; G = 1 (per-channel)
+  or K/128 (group_size 128 with K > 128; group_size == K is per-channel).
+  Value: the fp32 scale times 2^120 (bf16) or 2^8 (fp16), rounded once to the activation dtype.
+  Row g holds k-group g, permuted inside blocks of columns:
+  per-channel, 32-column blocks: position 8*i + x holds column 2*i + (x % 2) + 8*(x / 2)
+    (i 0..3, x 0..7), i.e. column c sits at 8*((c % 8) / 2) + 2*((c % 32) / 8) + c % 2;
+  grouped, 64-column blocks: position 8*i + x holds column i + 8*x (an 8x8 transpose),
+    i.e. column c sits at 8*(c % 8) + c / 8.
+  Padded columns hold 0.
+LAYOUT END
 
-Constraints: K % 16 == 0 (K % 128 == 0 with group_size=128); any N (padded to
-64 in the packed layout, masked in the GEMM); NaN weight bytes (0x7f/0xff) are
-rejected. On CUDA tensors the GEMM is the mma.sync kernel (sm_80+); on CPU
-tensors it is the packed-layout reference kernel (fp32, slow but exact in
-intent: it proves the packing).
+The kernel dequantizes by shifting the e4m3 bits into bf16/fp16 positions;
+the missing exponent bias (2^120 for bf16, 2^8 for fp16) is carried by the
+scales, so a packed weight is tied to ONE activation dtype (`act_dtype`) and
+its storage dtype (int32) says nothing about the compute dtype (SPEC §5). The
+folded scale must be finite in the activation dtype (|scale| below about 256). mla_ext's repack folds in fp32 and rounds once; vLLM
+rounds first and multiplies in the activation dtype: the same bits whenever
+the unfolded scale is a normal number of that dtype (always for bf16).
+
+Constraints: K % 16 == 0 (K % 128 == 0 with group_size=128); any N in the
+repack (padded to 64, masked in the GEMM) -- vLLM's own Marlin requires
+N % 64 == 0 and K % 128 == 0; NaN weight bytes (0x7f/0xff) are rejected. On
+CUDA tensors the GEMM is the mma.sync kernel (sm_80+); on CPU tensors it is
+the packed-layout reference kernel (fp32, slow but exact in intent: it proves
+the packing).
 """
 from __future__ import annotations
 
@@ -39,12 +63,13 @@ TILE_N = 64  # output columns per packed tile (kTileN in csrc/kv_b_proj/marlin_f
 
 @dataclass(frozen=True)
 class MarlinFp8Packed:
-    """A repacked fp8 weight.
+    """A packed fp8 weight in vLLM's Marlin layout (module doc).
 
-    qweight: int32 [ceil(N/64), 16*K] (packed tiles); scales: fp32 [G, ceil(N/64)*64]
-    (permuted, exponent bias for `act_dtype` folded; G = 1 or K/128); N, K: logical
-    shape of the original [N, K] weight; group_size: -1 (per-channel) or 128;
-    act_dtype: the activation dtype the GEMM must be fed (bf16 or fp16).
+    qweight: int32 [K/16, 4*N_pad]; scales: act_dtype [G, N_pad] (permuted,
+    exponent bias for `act_dtype` folded; G = 1, or K/128 with group_size=128
+    and K > 128); N, K: logical shape of the original [N, K] weight;
+    group_size: -1 (per-channel) or 128; act_dtype: the activation dtype the
+    GEMM must be fed (bf16 or fp16).
     """
 
     qweight: torch.Tensor
@@ -55,6 +80,27 @@ class MarlinFp8Packed:
     act_dtype: torch.dtype
 
 
+def grouped_scales(k: int, group_size: int) -> bool:
+    """Grouped (64-column transpose) or per-channel (32-column) scale permutation."""
+    return 0 < group_size < k
+
+
+def word_location(n: int, k: int) -> tuple[int, int, int]:
+    """(qweight row, qweight column, byte) holding W[n][k] (layout block above)."""
+    kt, nt = k // 16, n // TILE_N
+    kk, c = k % 16, n % TILE_N
+    t, g, j = (kk % 8) // 2, c % 8, c // 8
+    byte = (kk % 2) * 2 + kk // 8  # k0 -> 0, k0+8 -> 1, k0+1 -> 2, k0+9 -> 3
+    return kt, nt * 256 + (g * 4 + t) * 8 + j, byte
+
+
+def scale_position(c: int, grouped: bool) -> int:
+    """Position, inside its 64-column panel, of the scale of column c (0..63)."""
+    if grouped:
+        return 8 * (c % 8) + c // 8
+    return 32 * (c // 32) + 8 * ((c % 8) // 2) + 2 * ((c % 32) // 8) + c % 2
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -63,7 +109,8 @@ def _require(cond: bool, msg: str) -> None:
 def marlin_fp8_repack(
     w_fp8: torch.Tensor, scales: torch.Tensor, act_dtype: torch.dtype, group_size: int = -1
 ) -> MarlinFp8Packed:
-    """Packs fp8 `w_fp8` [N, K] with fp32 `scales` ([N], or [K/128, N] for group_size=128).
+    """Packs fp8 `w_fp8` [N, K] with fp32 `scales` ([N], or [K/128, N] for group_size=128)
+    into vLLM's Marlin layout (module doc).
 
     Runs on the tensors' device (CPU or CUDA). Validation (NaN bytes, finite
     scales) synchronises once: this is a weight-load-time call.
@@ -77,14 +124,63 @@ def marlin_fp8_repack(
     return MarlinFp8Packed(qweight, packed_scales, int(n), int(k), int(group_size), act_dtype)
 
 
+def marlin_fp8_from_vllm(qweight: torch.Tensor, scales: torch.Tensor, size_n: int, size_k: int,
+                         group_size: int, act_dtype: torch.dtype) -> MarlinFp8Packed:
+    """Wraps vLLM's post-load Marlin fp8 tensors as they are (no copy).
+
+    qweight: int32 [size_k/16, 4*size_n] (a layer's `weight` after
+    process_weights_after_loading); scales: [G, size_n] (or [size_n] for
+    per-channel) in act_dtype, permuted, exponent bias folded (its
+    `weight_scale` or `weight_scale_inv`); group_size: -1 or 128 (vLLM: -1 for
+    per-tensor/per-channel, weight_block_size[1] for block fp8). The result's
+    tensors are `qweight` and `scales` themselves (a [size_n] scale becomes a
+    [1, size_n] view). One host sync checks the scales are finite.
+    """
+    for name, v in (("size_n", size_n), ("size_k", size_k), ("group_size", group_size)):
+        _require(isinstance(v, int) and not isinstance(v, bool), f"{name}: expected an int, got {v!r}")
+    _require(act_dtype in ACT_DTYPES, f"act_dtype: expected torch.bfloat16 or torch.float16, got {act_dtype}")
+    _require(size_n > 0 and size_n % TILE_N == 0,
+             f"size_n: expected a positive multiple of 64 (vLLM's Marlin requires output_size_per_partition "
+             f"% 64 == 0), got {size_n}")
+    _require(size_k > 0 and size_k % 16 == 0, f"size_k: expected a positive multiple of 16, got {size_k}")
+    _require(group_size in GROUP_SIZES,
+             f"group_size: expected -1 (per-channel) or 128 (group-128 / block fp8), got {group_size}")
+    _require(group_size == -1 or size_k % 128 == 0,
+             f"size_k: expected a multiple of 128 with group_size=128, got {size_k}")
+    _require(isinstance(qweight, torch.Tensor), f"qweight: expected a tensor, got {type(qweight).__name__}")
+    _require(isinstance(scales, torch.Tensor), f"scales: expected a tensor, got {type(scales).__name__}")
+    _require(qweight.dtype == torch.int32, f"qweight: expected torch.int32 (Marlin-packed), got {qweight.dtype}")
+    want_q = (size_k // 16, 4 * size_n)
+    _require(tuple(qweight.shape) == want_q,
+             f"qweight: expected shape [size_k/16, 4*size_n] = {list(want_q)} (vLLM's Marlin layout), "
+             f"got {list(qweight.shape)}")
+    _require(qweight.is_contiguous(), "qweight: expected a contiguous tensor (it is used as is, no copy)")
+    _require(scales.dtype == act_dtype,
+             f"scales: expected {act_dtype} (vLLM stores Marlin scales in the model dtype), got {scales.dtype}")
+    groups = size_k // group_size if group_size > 0 else 1
+    if scales.dim() == 1 and groups == 1:
+        scales = scales.view(1, -1)
+    _require(tuple(scales.shape) == (groups, size_n),
+             f"scales: expected shape [G, size_n] = {[groups, size_n]}"
+             f"{' (or [size_n])' if groups == 1 else ''}, got {list(scales.shape)}")
+    _require(scales.is_contiguous(), "scales: expected a contiguous tensor (it is used as is, no copy)")
+    _require(scales.device == qweight.device,
+             f"scales: expected device {qweight.device} (as qweight), got {scales.device}")
+    _require(bool(torch.isfinite(scales).all()),
+             "scales: expected finite values (the folded Marlin scale overflowed the activation dtype?)")
+    return MarlinFp8Packed(qweight, scales, size_n, size_k, group_size, act_dtype)
+
+
 def marlin_fp8_slice_rows(packed: MarlinFp8Packed, start: int, stop: int) -> MarlinFp8Packed:
     """Output rows [start, stop) of the logical weight, cut from the packed tiles
     without repacking (e.g. a tensor-parallel shard); the result owns its tensors.
 
-    A 64-column tile (qweight row) and its 64-column scale block are
-    self-contained, so the cut must fall on tile boundaries: start % 64 == 0
-    and stop % 64 == 0 or stop == N. Otherwise slice the checkpoint fp8 weight
-    and scale and pack that (`MarlinFp8Weight.from_fp8(fp8_format.slice_rows(...))`).
+    Output rows are 64-column blocks of the layout: 256 words of every qweight
+    row (one per k-tile) and 64 scale columns (both scale permutations stay
+    inside 64 columns), so the cut must fall on tile boundaries:
+    start % 64 == 0 and stop % 64 == 0 or stop == N. Otherwise slice the
+    checkpoint fp8 weight and scale and pack that
+    (`MarlinFp8Weight.from_fp8(fp8_format.slice_rows(...))`).
     """
     _require(0 <= start < stop <= packed.N,
              f"rows [start, stop): expected 0 <= start < stop <= N={packed.N}, got [{start}, {stop})")
@@ -92,8 +188,8 @@ def marlin_fp8_slice_rows(packed: MarlinFp8Packed, start: int, stop: int) -> Mar
                   "slice the checkpoint fp8 weight and scale instead and pack the slice, "
                   "MarlinFp8Weight.from_fp8(fp8_format.slice_rows(...))")
     t0, t1 = start // TILE_N, -(-stop // TILE_N)
-    qweight = packed.qweight[t0:t1].clone(memory_format=torch.contiguous_format)
-    # Scales are permuted only inside 64-column blocks; padded columns (past N) hold 0.
+    qweight = packed.qweight[:, t0 * 256:t1 * 256].clone(memory_format=torch.contiguous_format)
+    # Padded columns (past N) hold zero bytes / zero scales.
     scales = packed.scales[:, t0 * TILE_N:t1 * TILE_N].clone(memory_format=torch.contiguous_format)
     return MarlinFp8Packed(qweight, scales, stop - start, packed.K, packed.group_size, packed.act_dtype)
 

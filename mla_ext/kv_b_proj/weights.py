@@ -275,10 +275,14 @@ class Fp8BlockWeight(WeightFormat):
 
 
 class MarlinFp8Weight(WeightFormat):
-    """FP8 weights repacked for the Marlin W8A16 kernel: `.weight` is int32.
+    """FP8 weights packed for the Marlin W8A16 kernel: `.weight` is int32.
 
-    The Marlin scales have the bf16/fp16 exponent-bias correction folded in,
-    so the packed weight is tied to one activation dtype (params_dtype).
+    The layout is vLLM's post-load Marlin fp8 layout (mla_ext/kv_b_proj/marlin.py):
+    `from_vllm` / `from_vllm_layer` wrap a vLLM layer's tensors without a copy,
+    `from_checkpoint` / `from_fp8` / `from_dense` pack fp8 weights into it.
+    The Marlin scales (in params_dtype) have the bf16/fp16 exponent-bias
+    correction folded in, so the packed weight is tied to one activation
+    dtype (params_dtype).
     """
 
     name = "marlin_fp8"
@@ -324,6 +328,32 @@ class MarlinFp8Weight(WeightFormat):
             return cls(marlin_fp8_repack(blk.weight, s, params_dtype, group_size=ref.FP8_BLOCK), params_dtype)
         f = Fp8Weight(weight, weight_scale, params_dtype)
         return cls(marlin_fp8_repack(f.weight, f.channel_scales(), params_dtype, group_size=-1), params_dtype)
+
+    @classmethod
+    def from_vllm(cls, qweight: torch.Tensor, scales: torch.Tensor, size_n: int, size_k: int,
+                  group_size: int, params_dtype: torch.dtype) -> "MarlinFp8Weight":
+        """A vLLM Marlin fp8 layer's post-load tensors, used as they are (no copy).
+
+        qweight: the layer's `weight`, int32 [size_k/16, 4*size_n]; scales: its
+        `weight_scale` (or `weight_scale_inv` for block fp8), params_dtype
+        [G, size_n]; size_n / size_k: `output_size_per_partition` /
+        `input_size_per_partition`; group_size: -1, or `weight_block_size[1]`
+        (128) for block fp8; params_dtype: the layer's `orig_dtype`."""
+        from mla_ext.kv_b_proj.marlin import marlin_fp8_from_vllm
+
+        _require(params_dtype in ACT_DTYPES,
+                 f"params_dtype: expected torch.bfloat16 or torch.float16 for Marlin, got {params_dtype}")
+        return cls(marlin_fp8_from_vllm(qweight, scales, size_n, size_k, group_size, params_dtype), params_dtype)
+
+    @classmethod
+    def from_vllm_layer(cls, layer, params_dtype: torch.dtype | None = None) -> "MarlinFp8Weight":
+        """A vLLM Marlin fp8 layer after `process_weights_after_loading` (the caller
+        states it is one): reads `weight`, `weight_scale` or `weight_scale_inv`,
+        `output_size_per_partition`/`input_size_per_partition`, `weight_block_size`
+        and `orig_dtype` (or `params_dtype=`); no copy."""
+        from mla_ext.kv_b_proj.from_module import marlin_vllm_layer
+
+        return marlin_vllm_layer(layer, params_dtype)
 
     @classmethod
     def from_fp8(cls, fmt: "Fp8Weight | Fp8BlockWeight", params_dtype: torch.dtype | None = None) -> "MarlinFp8Weight":
