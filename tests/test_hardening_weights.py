@@ -49,3 +49,36 @@ def test_int4_from_dense_checks_group_size_first():
     with pytest.raises(ValueError, match=r"group_size: expected an int >= 1, got 64.0"):
         W.Int4GroupWeight.from_dense(torch.randn(64, 128), group_size=64.0,
                                      params_dtype=torch.bfloat16)
+
+
+def test_kv_b_proj_out_overlapping_x_is_an_error():
+    from mla_ext.kv_b_proj.linear import KvBProj
+
+    torch.manual_seed(3)
+    lin = KvBProj(W.DenseWeight.from_dense(torch.randn(64, 32), torch.float32))
+    buf = torch.randn(8, 96)
+    x = buf[:, :32]
+    with pytest.raises(ValueError, match="out.*x"):
+        lin(x, out=buf[:, 16:80])          # shares columns 16..31 with x
+    with pytest.raises(ValueError, match="out: its elements overlap"):
+        lin(x, out=torch.empty(1, 64).expand(8, 64))
+    ok = lin(x, out=buf[:, 32:96])          # disjoint column slice of the same buffer
+    torch.testing.assert_close(ok, x @ lin.weight_format.dequantize_fp32().t())
+
+
+def test_dense_weight_is_built_once_under_a_lock_and_prepare_builds_it():
+    import threading
+
+    from mla_ext.kv_b_proj.linear import KvBProj
+
+    torch.manual_seed(4)
+    lin = KvBProj(W.Fp8BlockWeight.from_dense(torch.randn(256, 128) / 11, torch.bfloat16))
+    assert lin.prepare() is lin and len(lin._dense_cache) == 1
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(lin.dense_weight(torch.float16, "cpu")))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(g is got[0] for g in got) and len(lin._dense_cache) == 2

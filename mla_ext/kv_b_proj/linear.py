@@ -23,10 +23,12 @@ MLA_EXT_FORCE_KV_B_PROJ=name), which is how the tests exercise them.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
+from mla_ext.cache import checks
 from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
 from mla_ext.dispatch import Backend, Dispatcher
 from mla_ext.kv_b_proj import weights as W
@@ -296,6 +298,7 @@ class KvBProj:
         self.params_dtype = weight_format.params_dtype
         self.N, self.K = weight_format.N, weight_format.K
         self._dense_cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._dense_lock = threading.Lock()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -312,17 +315,36 @@ class KvBProj:
         return KvBProj(self.weight_format.to(device))
 
     def dense_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The dequantized [N, K] weight, computed once per (dtype, device) and cached."""
+        """The dequantized [N, K] weight, computed once per (dtype, device) and cached.
+
+        Built under a lock, and never while a CUDA graph is being captured: a weight
+        first built inside a capture would be an unfilled tensor for every later
+        eager call. Call `prepare()` (or run one eager forward) before capturing."""
         key = (dtype, torch.device(device))
         w = self._dense_cache.get(key)
-        if w is None:
-            f = self.weight_format
-            if isinstance(f, W.DenseWeight) and f.weight.dtype == dtype:
-                w = f.weight
-            else:
-                w = f.dequantize(dtype)
-            self._dense_cache[key] = w = w.to(device)
+        if w is not None:
+            return w
+        if key[1].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"kv_b_proj: the dequantized {dtype} weight for {key[1]} is first needed inside a "
+                "CUDA graph capture; call KvBProj.prepare() or run one eager forward before capturing"
+            )
+        with self._dense_lock:
+            w = self._dense_cache.get(key)
+            if w is None:
+                f = self.weight_format
+                if isinstance(f, W.DenseWeight) and f.weight.dtype == dtype:
+                    w = f.weight
+                else:
+                    w = f.dequantize(dtype)
+                self._dense_cache[key] = w = w.to(device)
         return w
+
+    def prepare(self, device=None, dtype: torch.dtype | None = None) -> "KvBProj":
+        """Builds what the forward path would otherwise build on first use (the
+        dequantized weight of the dense fallback), e.g. before a CUDA graph capture."""
+        self.dense_weight(dtype or self.params_dtype, torch.device(device or self.device))
+        return self
 
     def _inputs(self, M: int, device, act_dtype, x=None, x_scale=None, out=None) -> KvBProjInputs:
         device = torch.device(device)
@@ -349,10 +371,16 @@ class KvBProj:
             v = float(x_scale.reshape(()))
             if not (0.0 < v < float("inf")):
                 raise ValueError(f"x_scale: expected a finite value > 0, got {v}")
-        if out is not None and (tuple(out.shape) != (x.shape[0], self.N) or out.dtype != self.params_dtype
-                                or out.device != x.device or out.stride(1) != 1):
+        if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (x.shape[0], self.N)
+                                or out.dtype != self.params_dtype or out.device != x.device
+                                or (self.N > 1 and out.stride(1) != 1)):
+            got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(f"out must be {self.params_dtype} [{x.shape[0]}, {self.N}] on {x.device} "
-                             f"with unit column stride, got {out.dtype} {tuple(out.shape)}")
+                             f"with unit column stride, got {got}")
+        if out is not None:
+            # A GEMM reads x while it writes out: any shared byte corrupts the result.
+            checks.check_no_internal_overlap(out, "out")
+            checks.check_no_overlap(out, "out", x, "x")
 
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:

@@ -359,7 +359,11 @@ class MLAPrefill:
         device = torch.device(device)
         unit = self._unit_scale.get(device)
         if unit is None:
-            unit = self._unit_scale[device] = torch.ones(1, dtype=torch.float32, device=device)
+            unit = torch.ones(1, dtype=torch.float32, device=device)
+            # A tensor made inside a CUDA graph capture is only filled when the graph
+            # replays: keep it for this graph, never for later eager calls.
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._unit_scale[device] = unit
         return unit
 
     # -- forward -------------------------------------------------------------
