@@ -1,7 +1,7 @@
 """`KvBProj`: the kv_b_proj layer, dispatching by (weight format, GPU capability, M).
 
 Backends, in priority order (the first one with no reasons serves the call):
-- marlin_w8a16     Marlin fp8 weight-only GEMM (sm_75+), while M <= MARLIN_MAX_M
+- marlin_w8a16     Marlin fp8 weight-only GEMM (sm_80+), while M <= MARLIN_MAX_M
 - triton_w4a16     NVFP4 dequant-in-kernel GEMM (sm_80+), while M <= W4A16_MAX_M
 - triton_fp8_block block-scaled fp8 W8A8 GEMM (native fp8 dot: sm_89+)
 - scaled_mm_fp8    per-tensor / per-channel fp8 through torch._scaled_mm (sm_89+)
@@ -130,7 +130,7 @@ def _marlin_reasons(inp: KvBProjInputs) -> list[str]:
     why = _format_reason(inp, W.MarlinFp8Weight)
     if why:
         return why
-    why = _gpu_reasons("marlin_w8a16", inp, (7, 5), "the Marlin packed-layout CPU reference")
+    why = _gpu_reasons("marlin_w8a16", inp, (8, 0), "the Marlin packed-layout CPU reference")
     why += _above("marlin_w8a16", inp, "MARLIN_MAX_M", MARLIN_MAX_M)
     if inp.act_dtype != inp.layer.params_dtype:
         why.append(f"activation dtype must be {inp.layer.params_dtype} (packed for it), got {inp.act_dtype}")
@@ -410,7 +410,7 @@ class KvBProj:
 # -- machine-level report for the `info` CLI ----------------------------------
 
 _NEEDS = {
-    "marlin_w8a16": (7, 5),
+    "marlin_w8a16": (8, 0),
     "triton_w4a16": (8, 0),
     "triton_fp8_block": (8, 9),
     "scaled_mm_fp8": (8, 9),
