@@ -251,6 +251,11 @@ void check_cache_dtype(const at::Tensor& c, CacheFormat f, const char* arg) {
       TORCH_CHECK_VALUE(c.size(2) == ds_mla::kEntryBytes, arg, ": fp8_ds_mla entries are ",
                         ds_mla::kEntryBytes, " bytes, got ", c.size(2));
       break;
+    case CacheFormat::kNvfp4DsMla:
+      TORCH_CHECK_VALUE(t == at::kByte, arg, ": format 'nvfp4_ds_mla' needs a uint8 cache, got ", t);
+      TORCH_CHECK_VALUE(c.size(2) == nvfp4_ds_mla::kEntryBytes, arg, ": nvfp4_ds_mla entries are ",
+                        nvfp4_ds_mla::kEntryBytes, " bytes, got ", c.size(2));
+      break;
   }
 }
 
@@ -347,7 +352,11 @@ cache::GatherParams dequant_gather_params(const at::Tensor& src_cache, const at:
   TORCH_CHECK_VALUE(raw || is_native_dtype(dst.scalar_type()),
                     "dst: expected bf16/fp16/fp32 (dequantized) or ", src_cache.scalar_type(),
                     " (raw bytes), got ", dst.scalar_type());
-  if (raw || f != CacheFormat::kFp8DsMla) {
+  if (!raw && f == CacheFormat::kNvfp4DsMla) {
+    TORCH_CHECK_VALUE(dst.size(1) == nvfp4_ds_mla::kLatentDim + nvfp4_ds_mla::kRopeDim,
+                      "dst: nvfp4_ds_mla dequantizes to ", nvfp4_ds_mla::kLatentDim + nvfp4_ds_mla::kRopeDim,
+                      " columns, got ", dst.size(1));
+  } else if (raw || f != CacheFormat::kFp8DsMla) {
     TORCH_CHECK_VALUE(dst.size(1) == src_cache.size(2), "dst: expected ", src_cache.size(2),
                       " columns (the cache entry width), got ", dst.size(1));
   } else {
@@ -361,9 +370,10 @@ cache::GatherParams dequant_gather_params(const at::Tensor& src_cache, const at:
     check_same_device(k_scale, src_cache, "k_scale");
     p.kind = cache::GatherKind::kRaw;
   } else {
-    p.kind = f == CacheFormat::kFp8DsMla ? cache::GatherKind::kFp8DsMla
-             : f == CacheFormat::kFp8E5M2 ? cache::GatherKind::kFp8E5M2
-                                          : cache::GatherKind::kFp8E4M3;
+    p.kind = f == CacheFormat::kFp8DsMla     ? cache::GatherKind::kFp8DsMla
+             : f == CacheFormat::kNvfp4DsMla ? cache::GatherKind::kNvfp4DsMla
+             : f == CacheFormat::kFp8E5M2    ? cache::GatherKind::kFp8E5M2
+                                             : cache::GatherKind::kFp8E4M3;
     p.k_scale = k_scale_ptr(k_scale, f, src_cache);
   }
   return p;
@@ -499,8 +509,8 @@ at::Tensor compute_kv_scale_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe,
                                 const std::string& kv_cache_dtype) {
   at::Tensor out;
   const cache::KvScaleParams p = kv_scale_params(kv_c, k_pe, kv_cache_dtype, &out);
-  if (parse_format_or_throw(kv_cache_dtype, "kv_cache_dtype") == CacheFormat::kFp8DsMla) {
-    out.fill_(1.0);  // fp8_ds_mla keeps its scales inside the rows
+  if (scale_kind(parse_format_or_throw(kv_cache_dtype, "kv_cache_dtype")) != ScaleKind::kPerTensor) {
+    out.fill_(1.0);  // fp8_ds_mla / nvfp4_ds_mla keep their scales inside the rows
     return out;
   }
   cache::kv_scale_cpu(p);
@@ -549,7 +559,7 @@ at::Tensor compute_kv_scale_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe,
   c10::cuda::CUDAGuard guard(kv_c.device());
   at::Tensor out;
   const cache::KvScaleParams p = kv_scale_params(kv_c, k_pe, kv_cache_dtype, &out);
-  if (parse_format_or_throw(kv_cache_dtype, "kv_cache_dtype") == CacheFormat::kFp8DsMla) {
+  if (scale_kind(parse_format_or_throw(kv_cache_dtype, "kv_cache_dtype")) != ScaleKind::kPerTensor) {
     out.fill_(1.0);
     return out;
   }

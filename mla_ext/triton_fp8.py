@@ -54,3 +54,16 @@ def e4m3_to_f32(b):
 def e5m2_to_f32(b):
     """uint8 e5m2 bits (as int32) -> float32, exact (e5m2 is an fp16's high byte)."""
     return (b << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_to_f32(c):
+    """e2m1 codes (as int32, 0..15; bit 3 the sign) -> float32, exact; code 8 is -0.0.
+
+    Magnitude index m = (e << 1) | f: e = 0 gives f * 0.5, else the fp32 with
+    exponent e - 1 and mantissa f / 2, i.e. (1 + f / 2) * 2^(e - 1).
+    """
+    e = (c >> 1) & 3
+    f = c & 1
+    mag = tl.where(e == 0, f * 0x3F000000, ((e + 126) << 23) | (f << 22))  # 0x3F000000 = 0.5f
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)

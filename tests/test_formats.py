@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mla_ext import _ext
-from mla_ext.formats import ALL_NAMES, DsMla, get_format
+from mla_ext.formats import ALL_NAMES, DsMla, Nvfp4DsMla, get_format
 
 # The last two are past int32: C++ must not wrap them into supported dims.
 DIMS = [(512, 64), (512, 0), (256, 64), (128, 32), (2**32 + 512, 64), (512, 2**31)]
@@ -48,7 +48,7 @@ def test_format_info_matches(ops, name, L, R, elem):
 
 def test_every_format_has_a_name_in_both(ops):
     ids = {ops.format_info(n, 512, 64, 2)[0] for n in ALL_NAMES}
-    assert ids == {get_format(n).id for n in ALL_NAMES} == set(range(6))
+    assert ids == {get_format(n).id for n in ALL_NAMES} == set(range(7))
 
 
 def test_ds_mla_layout_matches(ops):
@@ -61,6 +61,39 @@ def test_ds_mla_layout_matches(ops):
     assert DsMla.ROPE_OFFSET == DsMla.SCALE_OFFSET + 4 * DsMla.NUM_TILES
     assert DsMla.ENTRY_BYTES == DsMla.ROPE_OFFSET + 2 * DsMla.ROPE_DIM
     assert DsMla.NUM_TILES * DsMla.TILE_SIZE == DsMla.LATENT_DIM
+
+
+def test_nvfp4_ds_mla_layout_matches(ops):
+    """The C++ layout (common/cache_layout.h, as the CPU writer places bytes) is the
+    Python mirror's: one crafted row whose every scale, rope and latent byte is
+    distinct lands exactly at the offsets formats.Nvfp4DsMla gives."""
+    nv = Nvfp4DsMla
+    assert nv.ROPE_OFFSET == nv.LATENT_OFFSET + nv.LATENT_DIM // 2
+    assert nv.SCALE_OFFSET == nv.ROPE_OFFSET + nv.ROPE_DIM
+    assert nv.ENTRY_BYTES == nv.SCALE_OFFSET + nv.NUM_BLOCKS
+    assert nv.NUM_BLOCKS * nv.BLOCK_SIZE == nv.LATENT_DIM
+    assert sorted(nv.scale_byte(s) for s in range(nv.NUM_BLOCKS)) == list(range(nv.NUM_BLOCKS))
+    # Block s: scale byte 0x30 + s (e4m3 (1 + (s % 8) / 8) * 2^(s // 8 - 1)), reached by
+    # amax = 6 * scale; its other values are code (j % 7) + 1 times the scale, so the
+    # latent bytes spell the codes. Rope value i is the e4m3 byte 0x10 + i.
+    e4m3 = lambda b: float(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())  # noqa: E731
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    kv_c = torch.empty(1, nv.LATENT_DIM)
+    codes = []
+    for s in range(nv.NUM_BLOCKS):
+        scale = e4m3(0x30 + s)
+        c = [7] + [(j % 7) + 1 for j in range(1, nv.BLOCK_SIZE)]
+        codes += c
+        kv_c[0, s * 16:(s + 1) * 16] = torch.tensor([grid[k] * scale for k in c])
+    k_pe = torch.tensor([[e4m3(0x10 + i) for i in range(nv.ROPE_DIM)]])
+    cache = torch.full((1, 1, nv.ENTRY_BYTES), 0xAA, dtype=torch.uint8)
+    ops.concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([0]), "nvfp4_ds_mla", torch.ones(1))
+    row = cache[0, 0].tolist()
+    for s in range(nv.NUM_BLOCKS):
+        assert row[nv.SCALE_OFFSET + nv.scale_byte(s)] == 0x30 + s, s
+    assert row[nv.ROPE_OFFSET:nv.ROPE_OFFSET + nv.ROPE_DIM] == [0x10 + i for i in range(nv.ROPE_DIM)]
+    assert row[nv.LATENT_OFFSET:nv.LATENT_OFFSET + nv.LATENT_DIM // 2] == [
+        codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(nv.LATENT_DIM // 2)]
 
 
 @pytest.mark.parametrize("bad", ["fp9", "", "FP8", "auto "])

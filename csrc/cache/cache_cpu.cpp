@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "cache/cache_kernels.h"
+#include "cache/nvfp4_ds_mla.h"
 #include "common/fp8.h"
 
 namespace mla_ext {
@@ -82,42 +83,39 @@ void gather_raw(const GatherParams& p) {
   }
 }
 
+// Dequantizing gathers: decode(src, dst) for every dst row a request owns
+// (OpenMP over rows); a row without a source (out-of-range block) is zeroed.
+template <class T, class Decode>
+void for_each_gathered_row(const GatherParams& p, const Decode& decode) {
+  int64_t lo, hi;
+  gather_row_range(p, &lo, &hi);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = lo; t < hi; ++t) {
+    const uint8_t* src = gather_source_row(p, t);
+    T* dst = reinterpret_cast<T*>(p.dst + t * p.dst_row_stride);
+    if (src) decode(src, dst);
+    else std::memset(dst, 0, sizeof(T) * static_cast<size_t>(p.width));
+  }
+}
+
 template <class Out>
 void gather_per_tensor(const GatherParams& p, const float* decode) {
   using T = typename Out::T;
   T lut[256];  // decode(b) * scale, already rounded to the output type
   const float scale = checked_k_scale(*p.k_scale);
   for (int b = 0; b < 256; ++b) lut[b] = Out::from(decode[b] * scale);
-  int64_t lo, hi;
-  gather_row_range(p, &lo, &hi);
   const int64_t w = p.width;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = lo; t < hi; ++t) {
-    const uint8_t* src = gather_source_row(p, t);
-    T* dst = reinterpret_cast<T*>(p.dst + t * p.dst_row_stride);
-    if (!src) {
-      std::memset(dst, 0, sizeof(T) * static_cast<size_t>(w));
-      continue;
-    }
+  for_each_gathered_row<T>(p, [&](const uint8_t* src, T* dst) {
     for (int64_t i = 0; i < w; ++i) dst[i] = lut[src[i]];
-  }
+  });
 }
 
 template <class Out>
 void gather_ds_mla(const GatherParams& p) {
   using T = typename Out::T;
   const float* dec = tables().e4m3;
-  int64_t lo, hi;
-  gather_row_range(p, &lo, &hi);
   const int64_t rope = p.width - ds_mla::kLatentDim;  // 64 or 0
-#pragma omp parallel for schedule(static)
-  for (int64_t t = lo; t < hi; ++t) {
-    const uint8_t* src = gather_source_row(p, t);
-    T* dst = reinterpret_cast<T*>(p.dst + t * p.dst_row_stride);
-    if (!src) {
-      std::memset(dst, 0, sizeof(T) * static_cast<size_t>(p.width));
-      continue;
-    }
+  for_each_gathered_row<T>(p, [&](const uint8_t* src, T* dst) {
     float scales[ds_mla::kNumTiles];
     std::memcpy(scales, src + ds_mla::kScaleOffset, sizeof(scales));
     for (int tile = 0; tile < ds_mla::kNumTiles; ++tile) {
@@ -132,7 +130,32 @@ void gather_ds_mla(const GatherParams& p) {
       std::memcpy(&h, pe + 2 * i, 2);
       dst[ds_mla::kLatentDim + i] = Out::from(fp8::bf16_bits_to_f32(h));
     }
-  }
+  });
+}
+
+// nvfp4_ds_mla rows -> 576 values: latent element i = e2m1(nibble i) x the
+// e4m3 scale of block i / 16 (read at its permuted byte), rope = e4m3 values.
+// Every product is exact in fp32 (2 x 4 significant bits) and in bf16/fp16.
+template <class Out>
+void gather_nvfp4_ds_mla(const GatherParams& p) {
+  namespace nv = nvfp4_ds_mla;
+  using T = typename Out::T;
+  const float* dec = tables().e4m3;
+  float e2m1[16];
+  for (uint32_t c = 0; c < 16; ++c) e2m1[c] = nv::decode_e2m1(c);
+  for_each_gathered_row<T>(p, [&](const uint8_t* src, T* dst) {
+    for (int b = 0; b < nv::kNumBlocks; ++b) {
+      const float s = dec[src[nv::kScaleOffset + nv::scale_byte(b)]];
+      const uint8_t* q = src + nv::kLatentOffset + b * (nv::kBlockSize / 2);
+      T* d = dst + b * nv::kBlockSize;
+      for (int j = 0; j < nv::kBlockSize / 2; ++j) {
+        d[2 * j] = Out::from(e2m1[q[j] & 0xF] * s);
+        d[2 * j + 1] = Out::from(e2m1[q[j] >> 4] * s);
+      }
+    }
+    const uint8_t* pe = src + nv::kRopeOffset;
+    for (int i = 0; i < nv::kRopeDim; ++i) dst[nv::kLatentDim + i] = Out::from(dec[pe[i]]);
+  });
 }
 
 template <class Out>
@@ -140,6 +163,7 @@ void gather_dequant(const GatherParams& p) {
   switch (p.kind) {
     case GatherKind::kFp8E4M3: return gather_per_tensor<Out>(p, tables().e4m3);
     case GatherKind::kFp8E5M2: return gather_per_tensor<Out>(p, tables().e5m2);
+    case GatherKind::kNvfp4DsMla: return gather_nvfp4_ds_mla<Out>(p);
     default: return gather_ds_mla<Out>(p);
   }
 }
@@ -184,6 +208,21 @@ void write_row_ds_mla(const WriteParams& p, int64_t t, uint8_t* dst) {
   }
 }
 
+void write_row_nvfp4_ds_mla(const WriteParams& p, int64_t t, uint8_t* dst) {
+  namespace nv = nvfp4_ds_mla;
+  const uint8_t* kv = p.kv_c + t * p.kv_c_row_stride;
+  for (int b = 0; b < nv::kNumBlocks; ++b) {
+    float x[nv::kBlockSize];
+    for (int j = 0; j < nv::kBlockSize; ++j) x[j] = load_f32(kv, p.in_type, b * nv::kBlockSize + j);
+    uint32_t w[2];
+    dst[nv::kScaleOffset + nv::scale_byte(b)] = nv::encode_block(x, w);
+    uint8_t* q = dst + nv::kLatentOffset + b * (nv::kBlockSize / 2);
+    for (int j = 0; j < nv::kBlockSize / 2; ++j) q[j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
+  }
+  const uint8_t* pe = p.k_pe + t * p.k_pe_row_stride;
+  for (int i = 0; i < nv::kRopeDim; ++i) dst[nv::kRopeOffset + i] = fp8::encode_e4m3_sat(load_f32(pe, p.in_type, i));
+}
+
 }  // namespace
 
 void gather_cpu(const GatherParams& p) {
@@ -209,6 +248,7 @@ void write_cpu(const WriteParams& p) {
         break;
       case QuantMode::kFp8PerTensor: write_row_per_tensor(p, t, dst); break;
       case QuantMode::kFp8PerTile: write_row_ds_mla(p, t, dst); break;
+      case QuantMode::kNvfp4PerBlock: write_row_nvfp4_ds_mla(p, t, dst); break;
     }
   }
 }

@@ -40,6 +40,7 @@ enum class GatherKind : int32_t {
   kFp8E4M3 = 1,    // per-tensor e4m3 bytes x k_scale
   kFp8E5M2 = 2,    // per-tensor e5m2 bytes x k_scale
   kFp8DsMla = 3,   // 656-byte rows, per-tile scales, bf16 rope
+  kNvfp4DsMla = 4, // 352-byte rows, e2m1 pairs x permuted e4m3 block scales, e4m3 rope
 };
 
 struct GatherParams {
@@ -81,6 +82,7 @@ struct WriteParams {
   const void* slots;          // [T] int64 or int32
   bool slots_i32;
   CacheFormat format;         // kAuto/kBFloat16/kFloat16 copy (in_type == cache type)
+                              // (kNvfp4DsMla: L = 512 and R = 64, checked by the bindings)
   const float* k_scale;       // per-tensor formats only
 };
 

@@ -8,12 +8,16 @@
 // the row pointers allow, else element by element. fp8 decode goes through a
 // 256-entry shared table built per CTA: decode(b) * k_scale already rounded
 // to the output type for per-tensor formats (exactly the CPU kernel's table),
-// decode(b) in fp32 for fp8_ds_mla (times the row's tile scale).
+// decode(b) in fp32 for fp8_ds_mla (times the row's tile scale) and
+// nvfp4_ds_mla (its block scales and rope). nvfp4_ds_mla: lane l decodes latent
+// block l (one 8-byte load, its scale byte at the permuted position, two
+// 8-value stores); lanes 0..7 decode 8 rope bytes each.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "cache/cache_kernels.h"
+#include "cache/nvfp4_ds_mla.h"
 #include "common/fp8.h"
 
 namespace mla_ext {
@@ -122,6 +126,51 @@ __device__ void ds_mla_row(const uint8_t* src, typename Out::T* d, int64_t w, co
   }
 }
 
+template <class Out>
+__device__ void nvfp4_ds_mla_row(const uint8_t* src, typename Out::T* d, const float* lut, int lane) {
+  namespace nv = nvfp4_ds_mla;
+  using T = typename Out::T;
+  static_assert(nv::kNumBlocks == 32 && nv::kBlockSize == 16, "one latent block per lane");
+  const float s = lut[src[nv::kScaleOffset + nv::scale_byte(lane)]];
+  const uint8_t* q = src + nv::kLatentOffset + lane * (nv::kBlockSize / 2);
+  T* dl = d + lane * nv::kBlockSize;
+  if (aligned(q, 8) && aligned(dl, 8 * sizeof(T))) {
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(q));
+    const uint32_t words[2] = {w.x, w.y};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      Pack8<T> o;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o.v[j] = Out::from(nv::decode_e2m1((words[h] >> (4 * j)) & 0xFu) * s);
+      reinterpret_cast<Pack8<T>*>(dl)[h] = o;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < nv::kBlockSize / 2; ++j) {
+      const uint32_t b = q[j];
+      dl[2 * j] = Out::from(nv::decode_e2m1(b & 0xFu) * s);
+      dl[2 * j + 1] = Out::from(nv::decode_e2m1(b >> 4) * s);
+    }
+  }
+  if (lane < nv::kRopeDim / 8) {
+    const uint8_t* pe = src + nv::kRopeOffset + 8 * lane;
+    T* dr = d + nv::kLatentDim + 8 * lane;
+    if (aligned(pe, 8) && aligned(dr, 8 * sizeof(T))) {
+      const uint2 r = __ldg(reinterpret_cast<const uint2*>(pe));
+      Pack8<T> o;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o.v[j] = Out::from(lut[(r.x >> (8 * j)) & 0xFF]);
+        o.v[4 + j] = Out::from(lut[(r.y >> (8 * j)) & 0xFF]);
+      }
+      *reinterpret_cast<Pack8<T>*>(dr) = o;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dr[j] = Out::from(lut[pe[j]]);
+    }
+  }
+}
+
 // KIND: GatherKind as int. Out is unused for kRaw.
 template <class Out, int KIND>
 __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) {
@@ -136,7 +185,8 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) 
       lut_t[b] = Out::from(v * scale);
     }
     __syncthreads();
-  } else if constexpr (KIND == static_cast<int>(GatherKind::kFp8DsMla)) {
+  } else if constexpr (KIND == static_cast<int>(GatherKind::kFp8DsMla) ||
+                       KIND == static_cast<int>(GatherKind::kNvfp4DsMla)) {
     for (int b = threadIdx.x; b < 256; b += blockDim.x) lut_f[b] = fp8::decode_e4m3(b);
     __syncthreads();
   }
@@ -155,6 +205,8 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) 
       raw_row(nullptr, drow, p.width * static_cast<int64_t>(sizeof(T)), lane);  // zeros
     } else if constexpr (KIND == static_cast<int>(GatherKind::kFp8DsMla)) {
       ds_mla_row<Out>(src, d, p.width, lut_f, lane);
+    } else if constexpr (KIND == static_cast<int>(GatherKind::kNvfp4DsMla)) {
+      nvfp4_ds_mla_row<Out>(src, d, lut_f, lane);  // width is 576 (checked by the bindings)
     } else {
       per_tensor_row(src, d, p.width, lut_t, lane);
     }
@@ -169,6 +221,9 @@ void launch_dequant(const GatherParams& p, dim3 grid, cudaStream_t s) {
       break;
     case GatherKind::kFp8E5M2:
       gather_kernel<Out, static_cast<int>(GatherKind::kFp8E5M2)><<<grid, kThreads, 0, s>>>(p);
+      break;
+    case GatherKind::kNvfp4DsMla:
+      gather_kernel<Out, static_cast<int>(GatherKind::kNvfp4DsMla)><<<grid, kThreads, 0, s>>>(p);
       break;
     default:
       gather_kernel<Out, static_cast<int>(GatherKind::kFp8DsMla)><<<grid, kThreads, 0, s>>>(p);

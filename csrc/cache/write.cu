@@ -4,6 +4,9 @@
 // 16 latent values [16 l, 16 l + 16), so each 128-value tile is 8 lanes and its
 // amax is an 8-lane shuffle reduction; the tile scale and the saturating
 // e4m3 encode use the same fp8.h functions as the CPU kernel (bit-identical).
+// nvfp4_ds_mla: lane l owns latent block l (16 values, 8 code bytes, one
+// scale byte at its permuted position), through the same nvfp4_ds_mla.h
+// functions as the CPU kernel; lanes 0..31 encode rope values l and l + 32.
 // kv scale: a grid-stride amax with one atomicMax per warp on the fp32 bits
 // (non-negative floats order like their bit patterns), then a one-thread
 // finalize; three stream-ordered launches, no host sync, no workspace.
@@ -12,6 +15,7 @@
 #include <algorithm>
 
 #include "cache/cache_kernels.h"
+#include "cache/nvfp4_ds_mla.h"
 #include "common/fp8.h"
 
 namespace mla_ext {
@@ -66,7 +70,31 @@ __device__ void write_ds_mla(const WriteParams& p, int64_t t, uint8_t* dst, int 
   }
 }
 
-__global__ void __launch_bounds__(kThreads) write_kernel(const WriteParams p) {
+__device__ __forceinline__ void write_nvfp4_ds_mla(const WriteParams& p, int64_t t, uint8_t* dst, int lane) {
+  namespace nv = nvfp4_ds_mla;
+  static_assert(nv::kNumBlocks == 32, "one latent block per lane");
+  const uint8_t* kv = p.kv_c + t * p.kv_c_row_stride;
+  float x[nv::kBlockSize];
+#pragma unroll
+  for (int j = 0; j < nv::kBlockSize; ++j) x[j] = load_f32(kv, p.in_type, lane * nv::kBlockSize + j);
+  uint32_t w[2];
+  const uint8_t sb = nv::encode_block(x, w);
+  uint8_t* q = dst + nv::kLatentOffset + lane * (nv::kBlockSize / 2);
+  if (reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    *reinterpret_cast<uint2*>(q) = make_uint2(w[0], w[1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < nv::kBlockSize / 2; ++j) q[j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
+  }
+  dst[nv::kScaleOffset + nv::scale_byte(lane)] = sb;
+  const uint8_t* pe = p.k_pe + t * p.k_pe_row_stride;
+  for (int i = lane; i < nv::kRopeDim; i += 32) dst[nv::kRopeOffset + i] = fp8::encode_e4m3_sat(load_f32(pe, p.in_type, i));
+}
+
+// At least 4 CTAs (1024 threads) per SM: with the thread count alone, ptxas
+// (CUDA 13) capped the kernel at 40 registers and spilled in the nvfp4_ds_mla
+// path; 4 CTAs allow 64 and it uses 53, no spills (sm_86 and sm_90a).
+__global__ void __launch_bounds__(kThreads, 4) write_kernel(const WriteParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kTokensPerCta + threadIdx.x / 32;
   if (t >= p.num_tokens) return;
@@ -91,6 +119,7 @@ __global__ void __launch_bounds__(kThreads) write_kernel(const WriteParams p) {
       break;
     }
     case QuantMode::kFp8PerTile: write_ds_mla(p, t, dst, lane); break;
+    case QuantMode::kNvfp4PerBlock: write_nvfp4_ds_mla(p, t, dst, lane); break;
   }
 }
 

@@ -179,7 +179,9 @@ def concat_and_cache_mla(
     """Writes token t of (kv_c [T, L], k_pe [T, R]) into kv_cache at slot_mapping[t].
 
     Slot -1 (padding) is skipped. fp8/fp8_e4m3/fp8_e5m2 store saturate(x / k_scale);
-    fp8_ds_mla stores power-of-two tile scales and bf16 k_pe (SPEC §2); native
+    fp8_ds_mla stores power-of-two tile scales and bf16 k_pe (SPEC §2);
+    nvfp4_ds_mla (L=512, R=64 only) stores e2m1 latents with one e4m3 scale per
+    16 values and e4m3 k_pe (layout and rounding: formats.Nvfp4DsMla); native
     formats copy (kv_c must have the cache's dtype). See the module docstring
     for the out-of-range policy and `validate`.
     """
@@ -204,7 +206,8 @@ def gather_and_maybe_dequant_cache(
 
     dst is bf16/fp16/fp32 (dequantized), or the cache's own dtype (native copy,
     fp8 raw passthrough). A native cache gathered into another dtype raises.
-    fp8_ds_mla dequantizes to 576 (R=64) or 512 (R=0) columns. Any seq_starts
+    fp8_ds_mla dequantizes to 576 (R=64) or 512 (R=0) columns, nvfp4_ds_mla to
+    576 (every value exact in bf16/fp16/fp32). Any seq_starts
     alignment, arbitrary block/entry strides. Never syncs the host unless
     validate=True.
     """
@@ -236,7 +239,8 @@ def compute_kv_scale(kv_c: Tensor, k_pe: Tensor, kv_cache_dtype: str) -> Tensor:
     """Per-tensor K scale [1] float32 = max(amax(|kv_c|, |k_pe|) / fp8 max, 1e-12).
 
     Non-finite values are ignored, so the scale is always finite and > 0.
-    fp8_ds_mla has no per-tensor scale (its tile scales live in the rows): 1.0.
+    fp8_ds_mla and nvfp4_ds_mla have no per-tensor scale (their scales live in
+    the rows): 1.0.
     Native formats raise ValueError: a skipped / unquantized layer computes none.
     """
     fmt = get_format(kv_cache_dtype)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mla_ext.formats import DsMla, QuantMode, get_format, CacheFormat
+from mla_ext.formats import QuantMode, get_format, CacheFormat
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DEQUANT_DST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -187,9 +187,10 @@ def check_cache(cache, fmt: CacheFormat, arg: str = "kv_cache") -> tuple[int, in
         if not ok:
             also = f" or {fmt.fp8_dtype}" if fmt.quant_mode == QuantMode.FP8_PER_TENSOR else ""
             raise ValueError(f"{arg}: kv_cache_dtype {fmt.name!r} needs a torch.uint8{also} cache, got {cache.dtype}")
-        if fmt.quant_mode == QuantMode.FP8_PER_TILE and cache.size(2) != DsMla.ENTRY_BYTES:
+        fixed = fmt.fixed_entry_bytes  # fp8_ds_mla 656, nvfp4_ds_mla 352
+        if fixed is not None and cache.size(2) != fixed:
             raise ValueError(
-                f"{arg}: fp8_ds_mla entries are {DsMla.ENTRY_BYTES} bytes, got last dim {cache.size(2)}"
+                f"{arg}: {fmt.name} entries are {fixed} bytes, got last dim {cache.size(2)}"
             )
     return cache.size(0), cache.size(1), cache.size(2)
 
@@ -326,14 +327,16 @@ def validate_gather_args(
         raise ValueError(
             f"dst: expected bf16/fp16/fp32 (dequantized) or {src_cache.dtype} (raw bytes), got {dst.dtype}"
         )
-    if raw or fmt.quant_mode != QuantMode.FP8_PER_TILE:
+    widths = None if raw else fmt.dequant_widths()  # fixed-layout formats
+    if widths is None:
         if width != entry:
             raise ValueError(f"dst: expected {entry} columns (the cache entry width), got {width}")
-    elif width not in (DsMla.LATENT_DIM + DsMla.ROPE_DIM, DsMla.LATENT_DIM):
-        raise ValueError(
-            f"dst: fp8_ds_mla dequantizes to {DsMla.LATENT_DIM + DsMla.ROPE_DIM} (R=64) or "
-            f"{DsMla.LATENT_DIM} (R=0) columns, got {width}"
-        )
+    elif width not in widths:
+        if fmt.quant_mode == QuantMode.FP8_PER_TILE:
+            raise ValueError(
+                f"dst: fp8_ds_mla dequantizes to {widths[0]} (R=64) or {widths[1]} (R=0) columns, got {width}"
+            )
+        raise ValueError(f"dst: {fmt.name} dequantizes to {widths[0]} columns, got {width}")
     check_k_scale(k_scale, fmt if not raw else get_format("auto"), src_cache.device)
     check_no_overlap(dst, "dst", k_scale, "k_scale")
     return GatherInfo(fmt, raw, num_blocks, B, entry, width)

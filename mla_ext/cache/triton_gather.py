@@ -5,6 +5,9 @@ One kernel serves every format; a constexpr MODE picks the row decoder:
   E4M3 / E5M2   per-tensor fp8 bytes x k_scale;
   DS_MLA  fp8_ds_mla 656-byte rows: 4 x 128 e4m3 values x their fp32 tile scale,
           then 64 bf16 k_pe copied bit-exactly.
+  NVFP4_DS_MLA  nvfp4_ds_mla 352-byte rows: 512 e2m1 nibbles x the e4m3 scale of
+          their 16-value block (read at its permuted byte), then 64 e4m3 k_pe.
+          Every product is exact, so the stores round nothing.
 
 Semantics are those of `reference.gather_ref`, including its out-of-range
 policy: a row whose token is negative, lies in a logical block past the table
@@ -33,7 +36,7 @@ import os
 import torch
 from torch import Tensor
 
-from mla_ext.formats import DsMla, QuantMode, get_format
+from mla_ext.formats import DsMla, Nvfp4DsMla, QuantMode, get_format
 
 try:
     import triton
@@ -43,7 +46,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the install
     _TRITON_IMPORT_ERROR = str(_exc)
 else:
     _TRITON_IMPORT_ERROR = None
-    from mla_ext.triton_fp8 import e4m3_to_f32, e5m2_to_f32, launch_guard
+    from mla_ext.triton_fp8 import e2m1_to_f32, e4m3_to_f32, e5m2_to_f32, launch_guard
 
 # The MODE 3 (fp8_ds_mla) branch of the kernel spells the row layout as
 # literals (512 latent bytes, scales at byte 512 = fp32 index 128, k_pe at
@@ -52,8 +55,13 @@ else:
 # layout formats.DsMla defines (the one Python mirror of cache_layout.h).
 assert (DsMla.LATENT_DIM, DsMla.SCALE_OFFSET, DsMla.ROPE_OFFSET, DsMla.NUM_TILES,
         DsMla.TILE_SIZE, DsMla.ROPE_DIM) == (512, 512, 528, 4, 128, 64), "update _gather_kernel"
+# Likewise MODE 4 (nvfp4_ds_mla): e2m1 pairs at byte 0, 64 e4m3 k_pe at 256,
+# block scales at 320 + 8 * (s & 3) + (s >> 2), 16 values per block.
+assert (Nvfp4DsMla.LATENT_OFFSET, Nvfp4DsMla.ROPE_OFFSET, Nvfp4DsMla.SCALE_OFFSET, Nvfp4DsMla.BLOCK_SIZE,
+        Nvfp4DsMla.ROPE_DIM, Nvfp4DsMla.LATENT_DIM) == (0, 256, 320, 16, 64, 512), "update _gather_kernel"
+assert all(Nvfp4DsMla.scale_byte(s) == 8 * (s & 3) + (s >> 2) for s in range(32)), "update _gather_kernel"
 
-MODE_COPY, MODE_E4M3, MODE_E5M2, MODE_DS_MLA = 0, 1, 2, 3
+MODE_COPY, MODE_E4M3, MODE_E5M2, MODE_DS_MLA, MODE_NVFP4_DS_MLA = 0, 1, 2, 3, 4
 _FLOAT_DSTS = (torch.bfloat16, torch.float16, torch.float32)
 _NATIVE_SRCS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -141,6 +149,24 @@ if triton is not None:
                     v = e4m3_to_f32(b.to(tl.int32)) * scale[:, None]
                     v = tl.where(ok2, v, 0.0)
                     tl.store(dst_row[:, None] + cols[None, :] * d_col, v, mask=live2 & cm)
+            elif MODE == 4:
+                # 64 e4m3 k_pe bytes -> columns 512..575 (dst width is 576).
+                k = tl.arange(0, 64)
+                rb = tl.load(src_row[:, None] + (256 + k[None, :]) * s_col, mask=ok2, other=0)
+                pe = tl.where(ok2, e4m3_to_f32(rb.to(tl.int32)), 0.0)
+                tl.store(dst_row[:, None] + (512 + k[None, :]) * d_col, pe, mask=live2)
+                # 512 latent values in 4 chunks of 128: nibble (col & 1) of byte col // 2,
+                # times the e4m3 scale of block col // 16 at its permuted byte.
+                for t in tl.static_range(4):
+                    cols = t * 128 + tl.arange(0, 128)
+                    byte = tl.load(src_row[:, None] + (cols // 2)[None, :] * s_col, mask=ok2, other=0)
+                    nib = (byte.to(tl.int32) >> ((cols & 1) * 4)[None, :]) & 0xF
+                    blk = cols // 16
+                    sb = tl.load(src_row[:, None] + (320 + 8 * (blk & 3) + (blk >> 2))[None, :] * s_col,
+                                 mask=ok2, other=0)
+                    v = e2m1_to_f32(nib) * e4m3_to_f32(sb.to(tl.int32))
+                    v = tl.where(ok2, v, 0.0)
+                    tl.store(dst_row[:, None] + cols[None, :] * d_col, v, mask=live2)
             else:
                 if MODE != 0:
                     k_scale = tl.load(scale_ptr)
@@ -164,6 +190,8 @@ def _mode(fmt, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> int:
         return MODE_COPY
     if fmt.quant_mode == QuantMode.FP8_PER_TILE:
         return MODE_DS_MLA
+    if fmt.quant_mode == QuantMode.NVFP4_PER_BLOCK:
+        return MODE_NVFP4_DS_MLA
     return MODE_E4M3 if fmt.fp8_dtype == torch.float8_e4m3fn else MODE_E5M2
 
 
@@ -191,15 +219,24 @@ def triton_not_supported_reasons(src_cache: Tensor, dst: Tensor, kv_cache_dtype:
             why.append(f"native cache dtype {src_cache.dtype} is not bf16/fp16/fp32")
         if dst.dtype != src_cache.dtype:
             why.append(f"a native {src_cache.dtype} cache gathers only into {src_cache.dtype}")
+    elif fmt.quant_mode == QuantMode.NVFP4_PER_BLOCK:
+        if src_cache.dtype != torch.uint8:
+            why.append(f"nvfp4_ds_mla cache must be uint8 bytes, got {src_cache.dtype}")
+        if dst.dtype not in _FLOAT_DSTS and dst.dtype != src_cache.dtype:
+            why.append(f"dst dtype {dst.dtype} is not bf16/fp16/fp32 (or the cache's, raw)")
     else:
         if src_cache.dtype not in (torch.uint8, fmt.fp8_dtype):
             why.append(f"fp8 cache must be uint8 bytes (or {fmt.fp8_dtype}), got {src_cache.dtype}")
         if dst.dtype not in _FLOAT_DSTS and dst.dtype != src_cache.dtype:
             why.append(f"dst dtype {dst.dtype} is not bf16/fp16/fp32 (or the cache's, raw)")
-    decoding = fmt.quant_mode == QuantMode.FP8_PER_TILE and dst.dtype != src_cache.dtype
-    if decoding:
+    decoding = dst.dtype != src_cache.dtype
+    if decoding and fmt.quant_mode == QuantMode.FP8_PER_TILE:
         if entry != DsMla.ENTRY_BYTES or width > DsMla.LATENT_DIM + DsMla.ROPE_DIM:
             why.append(f"fp8_ds_mla needs entry {DsMla.ENTRY_BYTES} and dst width <= 576; "
+                       f"got entry {entry}, width {width}")
+    elif decoding and fmt.quant_mode == QuantMode.NVFP4_PER_BLOCK:
+        if entry != Nvfp4DsMla.ENTRY_BYTES or width != Nvfp4DsMla.LATENT_DIM + Nvfp4DsMla.ROPE_DIM:
+            why.append(f"nvfp4_ds_mla needs entry {Nvfp4DsMla.ENTRY_BYTES} and dst width 576; "
                        f"got entry {entry}, width {width}")
     elif width != entry:
         why.append(f"dst width {width} differs from the cache entry width {entry}")
