@@ -1,8 +1,8 @@
 """kv_b_proj weight formats read from modules and checkpoint-style objects (SPEC §5).
 
-`weight_format_from_module(module, params_dtype=None)` detects the format
-from the tensors an `nn.Linear`, an upstream (vLLM-style) layer or any
-object with the checkpoint's attribute names holds:
+`weight_format_from_module(module, params_dtype=None, *, scale_layout=None)`
+detects the format from the tensors an `nn.Linear`, an upstream (vLLM-style)
+layer or any object with the checkpoint's attribute names holds:
 
 | tensors                                            | format                          |
 |----------------------------------------------------|---------------------------------|
@@ -30,9 +30,19 @@ Other facts:
   loading) is turned back when the object states its sizes
   (`output_size_per_partition`/`input_size_per_partition`, or nn.Linear's
   `out_features`/`in_features`) and they tell the two orientations apart.
-- NVFP4 `weight_scale` must be the checkpoint's row-major layout: the swizzled
-  layout vLLM makes after loading has the same shape at kv_b_proj sizes and
-  cannot be detected.
+- Scale layouts (NVFP4 and block FP8) are stated, never inferred from shapes:
+  after loading, vLLM swizzles NVFP4 block scales for CUTLASS (128x4; at
+  kv_b_proj sizes the swizzled tensor has the checkpoint's shape) and some of
+  its block-FP8 backends transpose or pad `weight_scale_inv`. The layout comes
+  from the `scale_layout` argument, else the object's `weight_scale_layout`
+  attribute (the two must agree when both are given): NVFP4 "linear" |
+  "swizzled" (weights.NVFP4_SCALE_LAYOUTS), block FP8 "linear" | "transposed" |
+  "linear_padded" | "transposed_padded" (weights.FP8_BLOCK_SCALE_LAYOUTS; a
+  non-linear one also marks an fp8 weight as block-scaled). Without either, a
+  serving-engine layer, recognised by its `quant_method` attribute (every vLLM
+  linear layer has one), is a ValueError asking for the layout; any other
+  object holds checkpoint tensors, so the DEFAULT is "linear" (the checkpoint's
+  layout). Per-tensor / per-channel fp8 scales have no layout.
 - GPTQ `qzeros` packed int32 [K/g, N/8] (8 zero points along N per word,
   lowest bits first) store zero − 1 (GPTQ v1 checkpoints) unless the object
   says `checkpoint_format = "gptq_v2"`; an unpacked [K/g, N] `qzeros`/`zeros`
@@ -138,7 +148,45 @@ def _oriented(obj, weight: torch.Tensor, arg: str, per_byte: int = 1) -> torch.T
                      f"(N={sizes[0]}, K={sizes[1]}), got {list(weight.shape)}")
 
 
-def _fp8(obj, t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype, arg: str) -> W.WeightFormat:
+_SCALE_LAYOUT_ATTR = "weight_scale_layout"
+
+
+def _is_serving_layer(obj) -> bool:
+    """A serving engine's post-load layer: vLLM's linear layers carry `quant_method`."""
+    return _get(obj, "quant_method") is not None
+
+
+def _stated_scale_layout(obj, scale_layout, arg: str) -> str | None:
+    """The scale layout the caller (`scale_layout`) or the object (`weight_scale_layout`) states."""
+    declared = _get(obj, _SCALE_LAYOUT_ATTR)
+    for name, value in (("scale_layout", scale_layout), (f"{arg}.{_SCALE_LAYOUT_ATTR}", declared)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name}: expected a layout name (str) or None, got {value!r}")
+    if scale_layout is not None and declared is not None and scale_layout != declared:
+        raise ValueError(f"scale_layout: {scale_layout!r} contradicts {arg}.{_SCALE_LAYOUT_ATTR} = {declared!r}")
+    return scale_layout if scale_layout is not None else declared
+
+
+def _require_stated(obj, layout: str | None, what: str, choices: tuple[str, ...], arg: str) -> str:
+    """The stated layout; "linear" (the checkpoint's) for a checkpoint-style object;
+    a ValueError for a serving-engine layer that states none."""
+    if layout is None:
+        if _is_serving_layer(obj):
+            raise ValueError(
+                f"scale_layout: {arg} is a serving-engine layer (it has `quant_method`, as vLLM's linear layers "
+                f"do), whose {what} scales may have been re-laid out after loading (vLLM swizzles NVFP4 block "
+                "scales for CUTLASS, 128x4, keeping the checkpoint's shape at kv_b_proj sizes; some block-FP8 "
+                f"backends transpose or pad weight_scale_inv); state the layout, one of {choices}: pass "
+                f"scale_layout=... or set {arg}.{_SCALE_LAYOUT_ATTR}")
+        return "linear"
+    if layout not in choices:
+        raise ValueError(f"scale_layout: expected one of {choices} for {what} scales, got {layout!r}")
+    return layout
+
+
+def _fp8(obj, t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype, arg: str,
+         scale_layout: str | None = None) -> W.WeightFormat:
+    layout = _stated_scale_layout(obj, scale_layout, arg)
     inv, scale = t.get("weight_scale_inv"), t.get("weight_scale")
     if inv is not None and scale is not None:
         raise ValueError(f"{arg}: an fp8 weight takes `weight_scale` or `weight_scale_inv`, not both; "
@@ -151,18 +199,23 @@ def _fp8(obj, t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype,
     block_size = _get(obj, "weight_block_size")
     block_shape = (-(-n // ref.FP8_BLOCK), -(-k // ref.FP8_BLOCK))
     s = inv if inv is not None else scale
-    if inv is not None or block_size is not None or (
+    if inv is not None or block_size is not None or layout not in (None, "linear") or (
             s.dim() == 2 and tuple(s.shape) == block_shape and tuple(s.shape) != (n, 1)):
-        return W.Fp8BlockWeight(weight, s, dt, tuple(block_size) if block_size is not None else (128, 128))
+        layout = _require_stated(obj, layout, "block-FP8", W.FP8_BLOCK_SCALE_LAYOUTS, arg)
+        return W.Fp8BlockWeight(weight, s, dt, tuple(block_size) if block_size is not None else (128, 128),
+                                scale_layout=layout)
     return W.Fp8Weight(weight, s, dt)
 
 
-def _nvfp4(t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype, arg: str) -> W.Nvfp4Weight:
+def _nvfp4(obj, t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype, arg: str,
+           scale_layout: str | None = None) -> W.Nvfp4Weight:
     scale, scale_2 = t.get("weight_scale"), t.get("weight_scale_2")
     if scale is None or scale_2 is None:
         raise ValueError(f"{arg}: a uint8 weight is read as NVFP4 and needs `weight_scale` (e4m3 [N, K/16]) and "
                          f"`weight_scale_2` (fp32 global); tensor attributes found: {_listing(t)}")
-    return W.Nvfp4Weight(weight, scale, scale_2, dt)
+    layout = _require_stated(obj, _stated_scale_layout(obj, scale_layout, arg), "NVFP4", W.NVFP4_SCALE_LAYOUTS,
+                             arg)
+    return W.Nvfp4Weight(weight, scale, scale_2, dt, scale_layout=layout)
 
 
 def _int4_zeros(obj, t: dict[str, torch.Tensor], groups: int, n: int, arg: str) -> torch.Tensor | None:
@@ -251,10 +304,13 @@ def marlin_vllm_layer(layer, params_dtype: torch.dtype | None = None, *, arg: st
 
 
 def weight_format_from_module(module, params_dtype: torch.dtype | None = None, *,
-                              arg: str = "module") -> W.WeightFormat:
+                              scale_layout: str | None = None, arg: str = "module") -> W.WeightFormat:
     """The kv_b_proj WeightFormat of `module` (see the module doc for what is read).
 
     A WeightFormat is returned as is, a KvBProj gives its `weight_format`.
+    `scale_layout` states how NVFP4 / block-FP8 scales are laid out (default: the
+    object's `weight_scale_layout`, else "linear" for checkpoint-style objects and
+    an error for serving-engine layers; see the module doc).
     `arg` names the argument in error messages."""
     if isinstance(module, W.WeightFormat):
         return module
@@ -273,6 +329,9 @@ def weight_format_from_module(module, params_dtype: torch.dtype | None = None, *
         raise ValueError(f"{arg}.bias: expected None (kv_b_proj has no bias), got a {t['bias'].dtype} "
                          f"{list(t['bias'].shape)} tensor")
     weight = t.get("weight")
+    if scale_layout is not None and (weight is None or weight.dtype not in (torch.float8_e4m3fn, torch.uint8)):
+        raise ValueError(f"scale_layout: only NVFP4 (uint8) and block-FP8 weights have a scale layout; {arg} "
+                         f"holds {_listing(t)}")
     if "qweight" in t and weight is None:
         return _int4(module, t, _model_dtype(module, params_dtype, arg, "packed int4 weights"), arg)
     if weight is None or weight.dim() != 2:
@@ -287,10 +346,11 @@ def weight_format_from_module(module, params_dtype: torch.dtype | None = None, *
         weight = _oriented(module, weight, arg)
         return W.DenseWeight(weight if params_dtype is None else weight.to(params_dtype))
     if wd == torch.float8_e4m3fn:
-        return _fp8(module, t, weight, _model_dtype(module, params_dtype, arg, f"{wd} weights"), arg)
+        return _fp8(module, t, weight, _model_dtype(module, params_dtype, arg, f"{wd} weights"), arg, scale_layout)
     if wd == torch.uint8:
         weight = _oriented(module, weight, arg, per_byte=2)
-        return _nvfp4(t, weight, _model_dtype(module, params_dtype, arg, "NVFP4 (uint8) weights"), arg)
+        return _nvfp4(module, t, weight, _model_dtype(module, params_dtype, arg, "NVFP4 (uint8) weights"), arg,
+                      scale_layout)
     if wd == torch.int32:
         if _states_vllm_marlin(module):
             return _marlin(module, t, _model_dtype(module, params_dtype, arg, "Marlin-packed int32 weights"), arg)

@@ -121,7 +121,9 @@ class WeightFormat:
         return out
 
     def describe(self) -> str:
-        return f"{self.name} [N={self.N}, K={self.K}] params_dtype={self.params_dtype}"
+        loaded = getattr(self, "loaded_scale_layout", "linear")
+        also = f" (scales loaded {loaded})" if loaded != "linear" else ""
+        return f"{self.name} [N={self.N}, K={self.K}] params_dtype={self.params_dtype}{also}"
 
     def slice_rows(self, start: int, stop: int) -> "WeightFormat":
         """Output rows [start, stop) of the logical [N, K] weight, in the same format.
@@ -222,35 +224,105 @@ class Fp8Weight(WeightFormat):
         return Fp8Weight(_rows(self.weight, start, stop), s, self.params_dtype)
 
 
+# Block-FP8 scale layouts (`Fp8BlockWeight(..., scale_layout=...)`). The layout
+# names what the two indices of the given tensor mean; strides are free (a
+# column-major or TMA-aligned tensor is just a strided view of the same indices).
+#   "linear"             [ceil(N/128), ceil(K/128)], s[n_blk, k_blk]: the checkpoint
+#   "transposed"         [ceil(K/128), ceil(N/128)], s[k_blk, n_blk]: the checkpoint's .t()
+#                        (what vLLM's SM90 CUTLASS block-FP8 path once left after
+#                        loading, vLLM PR 23280)
+#   "linear_padded"      at least [ceil(N/128), ceil(K/128)], s[n_blk, k_blk]; the rows
+#   "transposed_padded"  / columns past those (padding, e.g. K blocks rounded up to 4
+#                        for cuBLASLt's blockwise scaled_mm) are ignored
+FP8_BLOCK_SCALE_LAYOUTS = ("linear", "transposed", "linear_padded", "transposed_padded")
+
+
+def fp8_block_scales_to_linear(scale: torch.Tensor, n: int, k: int, scale_layout: str,
+                               arg: str = "weight_scale_inv") -> torch.Tensor:
+    """Block-FP8 scales given in `scale_layout` (FP8_BLOCK_SCALE_LAYOUTS) -> the
+    checkpoint layout fp32 [ceil(n/128), ceil(k/128)], contiguous (a copy)."""
+    _require(scale_layout in FP8_BLOCK_SCALE_LAYOUTS,
+             f"scale_layout: expected one of {FP8_BLOCK_SCALE_LAYOUTS}, got {scale_layout!r}")
+    _require(isinstance(scale, torch.Tensor) and scale.dim() == 2,
+             f"{arg}: expected a 2-D tensor, got "
+             + (f"shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__))
+    gn, gk = -(-n // ref.FP8_BLOCK), -(-k // ref.FP8_BLOCK)
+    transposed = scale_layout.startswith("transposed")
+    want = (gk, gn) if transposed else (gn, gk)
+    shape = tuple(scale.shape)
+    if scale_layout.endswith("_padded"):
+        _require(shape[0] >= want[0] and shape[1] >= want[1],
+                 f"{arg}: scale_layout {scale_layout!r} needs at least {want} for weight [N={n}, K={k}], got {shape}")
+        scale = scale[: want[0], : want[1]]
+    else:
+        _require(shape == want, f"{arg}: scale_layout {scale_layout!r} needs shape {want} for weight "
+                                f"[N={n}, K={k}], got {shape}")
+    return (scale.t() if transposed else scale).float().contiguous()
+
+
 class Fp8BlockWeight(WeightFormat):
     """DeepSeek block fp8: e4m3 [N, K] and fp32 `weight_scale_inv` [ceil(N/128), ceil(K/128)].
 
     Despite its checkpoint name, `weight_scale_inv` multiplies: w = q * s.
+
+    `scale_layout` says how the given `weight_scale_inv` is laid out (see
+    FP8_BLOCK_SCALE_LAYOUTS); the DEFAULT is "linear", the checkpoint's
+    [ceil(N/128), ceil(K/128)]. It is never guessed from the shape (a transposed
+    square scale has the checkpoint's shape). The object always stores the linear
+    layout: `weight_scale_inv` is [ceil(N/128), ceil(K/128)] whatever was given,
+    and `loaded_scale_layout` records what was given.
     """
 
     name = "fp8_block"
 
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                 params_dtype: torch.dtype, block_size=(128, 128)):
+                 params_dtype: torch.dtype, block_size=(128, 128), scale_layout: str = "linear"):
         _require(tuple(block_size) == (ref.FP8_BLOCK, ref.FP8_BLOCK),
                  f"block_size must be (128, 128), got {tuple(block_size)}")
         _require(weight.dim() == 2, f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
         _require(weight.dtype == torch.float8_e4m3fn, f"weight dtype must be torch.float8_e4m3fn, got {weight.dtype}")
         _check_e4m3_weight("weight", weight)
         n, k = weight.shape
-        want = (-(-n // ref.FP8_BLOCK), -(-k // ref.FP8_BLOCK))
-        _require(tuple(weight_scale_inv.shape) == want,
-                 f"weight_scale_inv must have shape {want} for weight {tuple(weight.shape)}, "
-                 f"got {tuple(weight_scale_inv.shape)}")
-        _check_finite_positive("weight_scale_inv", weight_scale_inv)
+        if scale_layout == "linear":  # the checkpoint's (the historical message)
+            want = (-(-n // ref.FP8_BLOCK), -(-k // ref.FP8_BLOCK))
+            _require(tuple(weight_scale_inv.shape) == want,
+                     f"weight_scale_inv must have shape {want} for weight {tuple(weight.shape)}, "
+                     f"got {tuple(weight_scale_inv.shape)}")
+        scale = fp8_block_scales_to_linear(weight_scale_inv, n, k, scale_layout)
+        _check_finite_positive("weight_scale_inv", scale)
         self.weight = weight.contiguous()
-        self.weight_scale_inv = weight_scale_inv.float().contiguous()
+        self.weight_scale_inv = scale
+        self.loaded_scale_layout = scale_layout
         self.N, self.K = n, k
         self.params_dtype = _check_params_dtype(params_dtype)
 
     @classmethod
     def from_checkpoint(cls, weight, weight_scale_inv, params_dtype, block_size=(128, 128)) -> "Fp8BlockWeight":
         return cls(weight, weight_scale_inv, params_dtype, block_size)
+
+    @classmethod
+    def from_vllm_postload(cls, weight: torch.Tensor, weight_scale_inv: torch.Tensor, params_dtype: torch.dtype,
+                           *, scale_layout: str, weight_transposed: bool = False, N: int | None = None,
+                           K: int | None = None) -> "Fp8BlockWeight":
+        """From the tensors a vLLM block-FP8 linear holds after process_weights_after_loading.
+
+        vLLM's backends differ in what they leave, so everything is stated, nothing is
+        inferred from shapes: `scale_layout` (required; FP8_BLOCK_SCALE_LAYOUTS) for
+        `weight_scale_inv`, `weight_transposed=True` for a weight stored [K, N], and
+        N / K, the logical sizes, when the weight was padded (e.g. N rounded up to 128:
+        only the first N rows and K columns are read). DeepGEMM's UE8M0-requantized
+        weights (SM100) are a different quantization and are not read here.
+        """
+        _require(isinstance(weight_transposed, bool),
+                 f"weight_transposed: expected a bool, got {weight_transposed!r}")
+        _require(isinstance(weight, torch.Tensor) and weight.dim() == 2,
+                 f"weight: expected a 2-D fp8 tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
+        w = weight.t() if weight_transposed else weight
+        n = w.shape[0] if N is None else _check_int_arg("N", N, 1)
+        k = w.shape[1] if K is None else _check_int_arg("K", K, 1)
+        _require(n <= w.shape[0] and k <= w.shape[1],
+                 f"N, K: the weight holds [{w.shape[0]}, {w.shape[1]}] (as [N, K]), fewer than N={n}, K={k}")
+        return cls(w[:n, :k], weight_scale_inv, params_dtype, scale_layout=scale_layout)
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, params_dtype: torch.dtype | None = None) -> "Fp8BlockWeight":
@@ -386,21 +458,92 @@ class MarlinFp8Weight(WeightFormat):
         return MarlinFp8Weight(marlin_fp8_slice_rows(self.packed, start, stop), self.params_dtype)
 
 
+# NVFP4 block-scale layouts (`Nvfp4Weight(..., scale_layout=...)`):
+#   "linear"    the checkpoint's row-major e4m3 [N, K/16]: scale (r, c) at r * (K/16) + c
+#   "swizzled"  the 128x4 layout CUTLASS / FlashInfer block-scaled GEMMs read (what
+#               vLLM's `swizzle_blockscale` makes in process_weights_after_loading):
+#               rows padded to Mp = round_up(N, 128), scale columns to
+#               Kp = round_up(K/16, 4), then laid out as [Mp/128, Kp/4, 32, 4, 4], i.e.
+#               scale (r, c) at ((r // 128) * (Kp / 4) + c // 4) * 512
+#                               + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+#               of the flat [Mp * Kp] buffer (vLLM returns it as [Mp, Kp]). Facts: the
+#               reshape (Mp/128, 4, 32, Kp/4, 4) + permute (0, 1, 4, 3, 2, 5) of vLLM's
+#               swizzle_blockscale (vLLM PRs 21631, 23140); cuBLAS's block-scale offset
+#               helper (nvmath-python get_block_scale_offset: NVFP4 A of 128 x 128, scale
+#               (5, 2) at 82 and (5, 5) at 593); cuDNN's "128x4" scale-factor layout.
+# At DeepSeek kv_b_proj sizes (N a multiple of 128, K/16 = 32) both have the
+# checkpoint's shape: the layout must be stated, it cannot be detected.
+NVFP4_SCALE_LAYOUTS = ("linear", "swizzled")
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def nvfp4_swizzled_scale_shape(n: int, k: int) -> tuple[int, int]:
+    """(Mp, Kp) of the swizzled block scales of an [n, k] NVFP4 weight."""
+    return _round_up(n, 128), _round_up(k // ref.NVFP4_BLOCK, 4)
+
+
+def unswizzle_nvfp4_scales(swizzled: torch.Tensor, n: int, k: int, arg: str = "weight_scale") -> torch.Tensor:
+    """The swizzled (128x4) block scales of an [n, k] NVFP4 weight -> the checkpoint's
+    [n, k/16] (same dtype, contiguous). `swizzled` is [Mp, Kp] or flat [Mp * Kp]
+    (read in row-major order); padding entries are dropped."""
+    mp, kp = nvfp4_swizzled_scale_shape(n, k)
+    _require(isinstance(swizzled, torch.Tensor) and swizzled.dim() in (1, 2) and swizzled.numel() == mp * kp
+             and (swizzled.dim() == 1 or tuple(swizzled.shape) == (mp, kp)),
+             f"{arg}: swizzled block scales of an [N={n}, K={k}] weight are [Mp, Kp] = [{mp}, {kp}] "
+             f"(N rounded up to 128, K/16 up to 4) or flat [{mp * kp}], got "
+             + (f"shape {tuple(swizzled.shape)}" if isinstance(swizzled, torch.Tensor) else type(swizzled).__name__))
+    # Flat index ((m0 * Kp/4 + k0) * 32 + m2) * 16 + m1 * 4 + k1 with r = 128 m0 + 32 m1 + m2
+    # and c = 4 k0 + k1: view as (m0, k0, m2, m1, k1), bring to (m0, m1, m2, k0, k1).
+    t = swizzled.contiguous().reshape(mp // 128, kp // 4, 32, 4, 4)
+    return t.permute(0, 3, 2, 1, 4).reshape(mp, kp)[:n, : k // ref.NVFP4_BLOCK].contiguous()
+
+
+def swizzle_nvfp4_scales(linear: torch.Tensor) -> torch.Tensor:
+    """The inverse: checkpoint [n, k/16] block scales -> swizzled [Mp, Kp], padding
+    zero (what vLLM's swizzle_blockscale returns)."""
+    _require(isinstance(linear, torch.Tensor) and linear.dim() == 2,
+             f"linear: expected a 2-D [N, K/16] tensor, got {getattr(linear, 'shape', type(linear).__name__)}")
+    n, kb = linear.shape
+    mp, kp = nvfp4_swizzled_scale_shape(n, kb * ref.NVFP4_BLOCK)
+    padded = torch.zeros(mp, kp, dtype=linear.dtype, device=linear.device)
+    padded[:n, :kb] = linear
+    return padded.reshape(mp // 128, 4, 32, kp // 4, 4).permute(0, 3, 2, 1, 4).reshape(mp, kp).contiguous()
+
+
 class Nvfp4Weight(WeightFormat):
     """NVFP4: uint8 [N, K/2] (two e2m1 per byte, low nibble = even k), e4m3
     `weight_scale` [N, K/16] and fp32 global `weight_scale_2` [1]:
-    w = e2m1 * weight_scale * weight_scale_2 (ModelOpt naming)."""
+    w = e2m1 * weight_scale * weight_scale_2 (ModelOpt naming).
+
+    `scale_layout` says how the given `weight_scale` is laid out: "linear" (the
+    DEFAULT: the checkpoint's row-major [N, K/16]) or "swizzled" (the CUTLASS /
+    FlashInfer 128x4 layout vLLM leaves after process_weights_after_loading; see
+    NVFP4_SCALE_LAYOUTS). It is never guessed: at kv_b_proj sizes the two have the
+    same shape, and swizzled scales read as linear dequantize most of the weight
+    wrong. Swizzled scales are un-swizzled once here; the object always stores the
+    linear [N, K/16] `weight_scale` (`loaded_scale_layout` records what was given).
+    A uint8 `weight_scale` is read as the e4m3 bytes it holds.
+    """
 
     name = "nvfp4"
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 weight_scale_2: torch.Tensor, params_dtype: torch.dtype):
+                 weight_scale_2: torch.Tensor, params_dtype: torch.dtype, scale_layout: str = "linear"):
         _require(weight.dim() == 2 and weight.dtype == torch.uint8,
                  f"weight must be uint8 [N, K/2], got {weight.dtype} shape {tuple(weight.shape)}")
         n, k = weight.shape[0], weight.shape[1] * 2
         _require(k % ref.NVFP4_BLOCK == 0, f"K (= 2 * weight.shape[1]) must be a multiple of 16, got {k}")
+        _require(scale_layout in NVFP4_SCALE_LAYOUTS,
+                 f"scale_layout: expected one of {NVFP4_SCALE_LAYOUTS}, got {scale_layout!r}")
+        if scale_layout == "swizzled" and isinstance(weight_scale, torch.Tensor) and weight_scale.dtype == torch.uint8:
+            weight_scale = weight_scale.view(torch.float8_e4m3fn)
         _require(weight_scale.dtype == torch.float8_e4m3fn,
                  f"weight_scale dtype must be torch.float8_e4m3fn, got {weight_scale.dtype}")
+        if scale_layout == "swizzled":
+            weight_scale = unswizzle_nvfp4_scales(weight_scale, n, k)
         _require(tuple(weight_scale.shape) == (n, k // ref.NVFP4_BLOCK),
                  f"weight_scale must have shape {(n, k // ref.NVFP4_BLOCK)}, got {tuple(weight_scale.shape)}")
         _require(weight_scale_2.numel() == 1, f"weight_scale_2 must have 1 element, got {weight_scale_2.numel()}")
@@ -409,12 +552,34 @@ class Nvfp4Weight(WeightFormat):
         self.weight = weight.contiguous()
         self.weight_scale = weight_scale.contiguous()
         self.weight_scale_2 = weight_scale_2.float().reshape(1).contiguous()
+        self.loaded_scale_layout = scale_layout
         self.N, self.K = n, k
         self.params_dtype = _check_params_dtype(params_dtype)
 
     @classmethod
     def from_checkpoint(cls, weight, weight_scale, weight_scale_2, params_dtype) -> "Nvfp4Weight":
         return cls(weight, weight_scale, weight_scale_2, params_dtype)
+
+    @classmethod
+    def from_vllm_postload(cls, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                           params_dtype: torch.dtype, *, scale_layout: str = "swizzled", N: int | None = None,
+                           K: int | None = None) -> "Nvfp4Weight":
+        """From the tensors a vLLM ModelOpt NVFP4 linear holds after
+        process_weights_after_loading on its CUTLASS / FlashInfer-CUTLASS backends:
+        `weight` uint8 [N, K/2] (possibly padded: N, K are then the logical sizes and
+        only the first N rows and K/2 byte columns are read), `weight_scale` swizzled
+        (128x4, [Mp, Kp], un-swizzled once here), `weight_scale_2` the fp32 global.
+        Pass scale_layout="linear" for a backend that leaves the checkpoint layout.
+        vLLM's Marlin NVFP4 repack (GPUs without native FP4) is another layout and
+        is not read here: build the weight from the checkpoint tensors instead."""
+        _require(isinstance(weight, torch.Tensor) and weight.dim() == 2,
+                 f"weight: expected a 2-D uint8 tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
+        n = weight.shape[0] if N is None else _check_int_arg("N", N, 1)
+        k = 2 * weight.shape[1] if K is None else _check_int_arg("K", K, 2)
+        _require(k % 2 == 0 and n <= weight.shape[0] and k // 2 <= weight.shape[1],
+                 f"N, K: the weight holds [{weight.shape[0]}, {weight.shape[1]}] bytes ([N, K/2]), "
+                 f"not enough for N={n}, K={k} (K even)")
+        return cls(weight[:n, : k // 2], weight_scale, weight_scale_2, params_dtype, scale_layout=scale_layout)
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, params_dtype: torch.dtype | None = None) -> "Nvfp4Weight":
