@@ -82,3 +82,17 @@ def test_dense_weight_is_built_once_under_a_lock_and_prepare_builds_it():
     for t in threads:
         t.join()
     assert all(g is got[0] for g in got) and len(lin._dense_cache) == 2
+
+
+def test_vllm_marlin_nvfp4_layer_is_refused_not_read_as_marlin_fp8():
+    import types
+
+    from mla_ext.kv_b_proj.from_module import weight_format_from_module
+
+    layer = types.SimpleNamespace(
+        weight=torch.randint(-2**31, 2**31 - 1, (512 // 16, 4 * 256), dtype=torch.int32),
+        weight_scale=torch.rand(512 // 16, 256).to(torch.bfloat16),
+        weight_scale_2=torch.tensor([0.01]), workspace=torch.zeros(4, dtype=torch.int32),
+        params_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Marlin NVFP4 layout, which is not supported"):
+        weight_format_from_module(layer)

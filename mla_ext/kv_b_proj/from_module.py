@@ -271,6 +271,12 @@ def _states_vllm_marlin(obj) -> bool:
 
 def _marlin(obj, t: dict[str, torch.Tensor], dt: torch.dtype, arg: str) -> W.MarlinFp8Weight:
     weight = t["weight"]
+    if "weight_scale_2" in t or "weight_global_scale" in t:
+        # vLLM's Marlin NVFP4 layer also has an int32 weight and a workspace; its
+        # nibbles and e4m3 group scales are not Marlin fp8 bytes.
+        raise ValueError(f"{arg}: an int32 Marlin weight with a global scale is vLLM's Marlin NVFP4 "
+                         "layout, which is not supported; build Nvfp4Weight from the checkpoint tensors "
+                         f"(weight, weight_scale, weight_scale_2); tensor attributes found: {_listing(t)}")
     inv, scale = t.get("weight_scale_inv"), t.get("weight_scale")
     if (inv is None) == (scale is None):
         raise ValueError(f"{arg}: a vLLM Marlin fp8 layer needs exactly one of `weight_scale` / `weight_scale_inv` "

@@ -94,13 +94,7 @@ class SyntheticBatch:
         kv_c, k_pe = [], []
         for r in (range(len(self.ctx_lens)) if requests is None else requests):
             rows = flat[self.slots[r]].cpu()
-            if spec.quant_mode == QuantMode.FP8_PER_TILE:
-                lat, rope, _ = cache_ref.decode_ds_mla_row(rows)
-                full = torch.cat([lat, rope.float()], dim=-1)
-            elif spec.quant_mode == QuantMode.FP8_PER_TENSOR:
-                full = cache_ref.dequantize_fp8_bytes(rows, spec.format.fp8_dtype) * k_scale.cpu().float()
-            else:
-                full = rows.float()
+            full = cache_ref.decode_cache_rows(rows, spec.kv_cache_dtype, k_scale)
             kv_c.append(full[:, : m.L])
             k_pe.append(full[:, m.L:])
         return kv_c, k_pe
