@@ -1,0 +1,5 @@
+"""Imports every module of fuzz cases (each registers its cases on import)."""
+import fuzz_cases_attention  # noqa: F401
+import fuzz_cases_cache  # noqa: F401
+import fuzz_cases_host  # noqa: F401
+import fuzz_cases_kv_b_proj  # noqa: F401
