@@ -12,6 +12,7 @@ refused in O(1), so those cases have a short timeout.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import math
@@ -497,7 +498,8 @@ def cfg_dict(name, raw, expect="reject", args=(), check=None, timeout=QUICK):
 
 cfg_dict("valid_v3_scale", dict(V3_JSON, rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0,
                                                      "mscale_all_dim": 1.0}), "accept",
-         check=that(lambda m: abs(m.softmax_scale - 0.13523) < 5e-6, lambda m: f"softmax scale {m.softmax_scale}, SPEC §10 says 0.13523"))
+         check=that(lambda m: abs(m.softmax_scale - 0.13523) < 5e-6,
+                    lambda m: f"softmax scale {m.softmax_scale}, SPEC §10 says 0.13523"))
 cfg_dict("num_layers_1e9", dict(V3_JSON, num_hidden_layers=10**9), args=("num_hidden_layers",))
 cfg_dict("raw_is_a_list", [1, 2], args=("raw", "config"))
 cfg_dict("raw_none", None, args=("raw", "config"))
@@ -589,7 +591,8 @@ V3 = models.get_model_config("deepseek-v3")
 
 def page(fmt, want):
     simple(RL, f"page_bytes_{fmt}", lambda: policy.resolve_layer(policy.CacheConfig(fmt, block_size=64), V3, 5),
-           "accept", check=that(lambda s: s.page_bytes() == want, lambda s: f"{fmt}: page {s.page_bytes()}, SPEC §4 says {want}"))
+           "accept", check=that(lambda s: s.page_bytes() == want,
+                                lambda s: f"{fmt}: page {s.page_bytes()}, SPEC §4 says {want}"))
 
 
 page("auto", 73728)
@@ -597,7 +600,8 @@ page("fp8", 36864)
 page("fp8_ds_mla", 41984)
 simple(RL, "skipped_layer_is_native", lambda: policy.resolve_layer(
     policy.CacheConfig("fp8_ds_mla", (60,), 64, True), V3, prefix="model.layers.60.self_attn"), "accept",
-    check=that(lambda s: (s.kv_cache_dtype, s.calculate_kv_scales, s.page_bytes()) == ("auto", False, 73728), lambda s: s))
+    check=that(lambda s: (s.kv_cache_dtype, s.calculate_kv_scales, s.page_bytes()) == ("auto", False, 73728),
+               lambda s: s))
 simple(RL, "layer_out_of_range", lambda: policy.resolve_layer(policy.CacheConfig(), V3, 61), args=("layer",))
 simple(RL, "layer_negative", lambda: policy.resolve_layer(policy.CacheConfig(), V3, -1), args=("layer",))
 simple(RL, "layer_bool", lambda: policy.resolve_layer(policy.CacheConfig(), V3, True), args=("layer",))
@@ -685,15 +689,19 @@ simple(PM, "model_1e9_layers", lambda: planner.plan_model(DS, models.config_from
 simple(PM, "configs_swapped", lambda: planner.plan_model(V3, DS, GIB), args=("cache_config",))
 
 PP = f"{PLAN}:plan_pool"
-_specs = policy.resolve_model(DS, V3)
-simple(PP, "valid", lambda: planner.plan_pool(_specs, 60 * GIB), "accept", check=check_pool(60 * GIB))
+@functools.cache
+def _specs():
+    return policy.resolve_model(DS, V3)
+
+
+simple(PP, "valid", lambda: planner.plan_pool(_specs(), 60 * GIB), "accept", check=check_pool(60 * GIB))
 simple(PP, "empty", lambda: planner.plan_pool([], GIB), args=("layer_specs",))
 simple(PP, "str", lambda: planner.plan_pool("abc", GIB), args=("layer_specs",))
 simple(PP, "not_specs", lambda: planner.plan_pool([1, 2], GIB), args=("layer_specs",))
-simple(PP, "duplicates", lambda: planner.plan_pool([_specs[0], _specs[0]], GIB), args=("layer_specs",))
+simple(PP, "duplicates", lambda: planner.plan_pool([_specs()[0], _specs()[0]], GIB), args=("layer_specs",))
 simple(PP, "mixed_block_sizes", lambda: planner.plan_pool(
-    [_specs[2], policy.resolve_layer(policy.CacheConfig("fp8", block_size=16), V3, 3)], GIB), args=("layer_specs",))
-simple(PP, "generator", lambda: planner.plan_pool((s for s in _specs[:3]), GIB), "accept", check=check_pool(GIB))
+    [_specs()[2], policy.resolve_layer(policy.CacheConfig("fp8", block_size=16), V3, 3)], GIB), args=("layer_specs",))
+simple(PP, "generator", lambda: planner.plan_pool((s for s in _specs()[:3]), GIB), "accept", check=check_pool(GIB))
 
 
 def _alloc(shared):

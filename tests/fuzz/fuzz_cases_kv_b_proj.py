@@ -10,6 +10,7 @@ mean|out - ref| / mean|ref| < 0.04 of the dequantized reference.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import numpy as np
@@ -318,31 +319,39 @@ def _packed_for_fp16():
 
 
 ctor(MW, "packed_dtype_mismatch", lambda: W.MarlinFp8Weight(_packed_for_fp16(), BF16), args=("params_dtype",))
-_nv = W.Nvfp4Weight.from_dense(_w(), BF16)
-ctor(NW, "odd_k", lambda: W.Nvfp4Weight(_nv.weight[:, :60], _nv.weight_scale, _nv.weight_scale_2, BF16),
+@functools.cache
+def _nv():
+    return W.Nvfp4Weight.from_dense(_w(), BF16)
+
+
+ctor(NW, "odd_k", lambda: W.Nvfp4Weight(_nv().weight[:, :60], _nv().weight_scale, _nv().weight_scale_2, BF16),
      args=("K", "weight"))
-ctor(NW, "weight_int8", lambda: W.Nvfp4Weight(_nv.weight.view(torch.int8), _nv.weight_scale, _nv.weight_scale_2,
+ctor(NW, "weight_int8", lambda: W.Nvfp4Weight(_nv().weight.view(torch.int8), _nv().weight_scale, _nv().weight_scale_2,
                                                BF16), args=("weight",))
 ctor(NW, "scale_nan_byte", lambda: W.Nvfp4Weight(
-    _nv.weight, _nv.weight_scale.view(torch.uint8).clone().fill_(0x7F).view(E4M3), _nv.weight_scale_2, BF16),
+    _nv().weight, _nv().weight_scale.view(torch.uint8).clone().fill_(0x7F).view(E4M3), _nv().weight_scale_2, BF16),
     args=("weight_scale",))
-ctor(NW, "scale_bf16", lambda: W.Nvfp4Weight(_nv.weight, _nv.weight_scale.to(BF16), _nv.weight_scale_2, BF16),
+ctor(NW, "scale_bf16", lambda: W.Nvfp4Weight(_nv().weight, _nv().weight_scale.to(BF16), _nv().weight_scale_2, BF16),
      args=("weight_scale",))
 for _label, _v in (("zero", 0.0), ("nan", float("nan")), ("negative", -1.0)):
-    ctor(NW, f"global_scale_{_label}", lambda v=_v: W.Nvfp4Weight(_nv.weight, _nv.weight_scale,
+    ctor(NW, f"global_scale_{_label}", lambda v=_v: W.Nvfp4Weight(_nv().weight, _nv().weight_scale,
                                                                    torch.tensor([v]), BF16),
          args=("weight_scale_2",))
-_i4 = W.Int4GroupWeight.from_dense(_w(), 64, BF16)
+@functools.cache
+def _i4():
+    return W.Int4GroupWeight.from_dense(_w(), 64, BF16)
+
+
 for _label, _gs in (("zero", 0), ("negative", -1), ("str", "64"), ("not_dividing", 48), ("bool", True),
                     ("float", 64.0)):
-    ctor(IW, f"group_size_{_label}", lambda gs=_gs: W.Int4GroupWeight(_i4.qweight, _i4.scales, gs, BF16),
+    ctor(IW, f"group_size_{_label}", lambda gs=_gs: W.Int4GroupWeight(_i4().qweight, _i4().scales, gs, BF16),
          args=("group_size",))
-ctor(IW, "scales_nan", lambda: W.Int4GroupWeight(_i4.qweight, _i4.scales.clone().fill_(float("nan")), 64, BF16),
+ctor(IW, "scales_nan", lambda: W.Int4GroupWeight(_i4().qweight, _i4().scales.clone().fill_(float("nan")), 64, BF16),
      args=("scales",))
-ctor(IW, "scales_shape", lambda: W.Int4GroupWeight(_i4.qweight, _i4.scales[:1], 64, BF16), args=("scales",))
-ctor(IW, "zeros_shape", lambda: W.Int4GroupWeight(_i4.qweight, _i4.scales, 64, BF16,
+ctor(IW, "scales_shape", lambda: W.Int4GroupWeight(_i4().qweight, _i4().scales[:1], 64, BF16), args=("scales",))
+ctor(IW, "zeros_shape", lambda: W.Int4GroupWeight(_i4().qweight, _i4().scales, 64, BF16,
                                                   zeros=torch.zeros(1, N, dtype=torch.int32)), args=("zeros",))
-ctor(IW, "qweight_int64", lambda: W.Int4GroupWeight(_i4.qweight.long(), _i4.scales, 64, BF16), args=("qweight",))
+ctor(IW, "qweight_int64", lambda: W.Int4GroupWeight(_i4().qweight.long(), _i4().scales, 64, BF16), args=("qweight",))
 ctor(f"{WTS}:quantize", "unknown_recipe", lambda: W.quantize("fp4_magic", _w(), BF16), args=("recipe",))
 ctor(f"{WTS}:quantize", "recipe_none", lambda: W.quantize(None, _w(), BF16), args=("recipe",))
 ctor(f"{WTS}:check_row_cut", "cut_through_block", lambda: W.check_row_cut(3, 200, 256, 128, "128-row block"),
@@ -389,27 +398,35 @@ def _ns(**kw):
     return types.SimpleNamespace(**kw)
 
 
-_fb = W.Fp8BlockWeight.from_dense(_w(), BF16)
-_fc = W.Fp8Weight.from_dense(_w(), per_channel=True, params_dtype=BF16)
+@functools.cache
+def _fb():
+    return W.Fp8BlockWeight.from_dense(_w(), BF16)
+
+
+@functools.cache
+def _fc():
+    return W.Fp8Weight.from_dense(_w(), per_channel=True, params_dtype=BF16)
+
+
 add(FROM, "nn_linear", module_case(_linear, want=lambda: (W.DenseWeight, _linear().weight.detach().float())),
     "accept")
 add(FROM, "fp8_block_object", module_case(
-    lambda: _ns(weight=_fb.weight, weight_scale_inv=_fb.weight_scale_inv, params_dtype=BF16),
-    want=lambda: (W.Fp8BlockWeight, independent_dequant(_fb))), "accept")
+    lambda: _ns(weight=_fb().weight, weight_scale_inv=_fb().weight_scale_inv, params_dtype=BF16),
+    want=lambda: (W.Fp8BlockWeight, independent_dequant(_fb()))), "accept")
 add(FROM, "fp8_channel_mapping", module_case(
-    lambda: {"weight": _fc.weight, "weight_scale": _fc.weight_scale, "orig_dtype": BF16},
-    want=lambda: (W.Fp8Weight, independent_dequant(_fc))), "accept")
+    lambda: {"weight": _fc().weight, "weight_scale": _fc().weight_scale, "orig_dtype": BF16},
+    want=lambda: (W.Fp8Weight, independent_dequant(_fc()))), "accept")
 add(FROM, "fp8_transposed_with_sizes", module_case(
-    lambda: _ns(weight=_fc.weight.t(), weight_scale=_fc.weight_scale, params_dtype=BF16,
+    lambda: _ns(weight=_fc().weight.t(), weight_scale=_fc().weight_scale, params_dtype=BF16,
                 output_size_per_partition=N, input_size_per_partition=K),
-    want=lambda: (W.Fp8Weight, independent_dequant(_fc))), "accept")
+    want=lambda: (W.Fp8Weight, independent_dequant(_fc()))), "accept")
 add(FROM, "nvfp4_object", module_case(
-    lambda: _ns(weight=_nv.weight, weight_scale=_nv.weight_scale, weight_scale_2=_nv.weight_scale_2,
-                params_dtype=BF16), want=lambda: (W.Nvfp4Weight, independent_dequant(_nv))), "accept")
+    lambda: _ns(weight=_nv().weight, weight_scale=_nv().weight_scale, weight_scale_2=_nv().weight_scale_2,
+                params_dtype=BF16), want=lambda: (W.Nvfp4Weight, independent_dequant(_nv()))), "accept")
 add(FROM, "gptq_object", module_case(
-    lambda: _ns(qweight=_i4.qweight, scales=_i4.scales, group_size=64, params_dtype=BF16),
-    want=lambda: (W.Int4GroupWeight, independent_dequant(_i4))), "accept")
-add(FROM, "weight_format_itself", module_case(lambda: _fb), "accept")
+    lambda: _ns(qweight=_i4().qweight, scales=_i4().scales, group_size=64, params_dtype=BF16),
+    want=lambda: (W.Int4GroupWeight, independent_dequant(_i4()))), "accept")
+add(FROM, "weight_format_itself", module_case(lambda: _fb()), "accept")
 
 
 def reject_module(name, make, args=("module",), params_dtype=None):
@@ -422,26 +439,26 @@ reject_module("int", lambda: 7)
 reject_module("tensor", lambda: _w())
 reject_module("empty_object", lambda: _ns())
 reject_module("linear_with_bias", lambda: _linear(bias=True), args=("bias",))
-reject_module("fp8_without_params_dtype", lambda: _ns(weight=_fb.weight, weight_scale_inv=_fb.weight_scale_inv),
+reject_module("fp8_without_params_dtype", lambda: _ns(weight=_fb().weight, weight_scale_inv=_fb().weight_scale_inv),
               args=("params_dtype",))
 reject_module("fp8_nan_byte", lambda: _ns(weight=_nan_weight(0x7F), weight_scale=_chan, params_dtype=BF16),
               args=("weight",))
-reject_module("fp8_both_scales", lambda: _ns(weight=_fb.weight, weight_scale=_chan,
-                                             weight_scale_inv=_fb.weight_scale_inv, params_dtype=BF16))
-reject_module("fp8_no_scale", lambda: _ns(weight=_fb.weight, params_dtype=BF16))
+reject_module("fp8_both_scales", lambda: _ns(weight=_fb().weight, weight_scale=_chan,
+                                             weight_scale_inv=_fb().weight_scale_inv, params_dtype=BF16))
+reject_module("fp8_no_scale", lambda: _ns(weight=_fb().weight, params_dtype=BF16))
 reject_module("int32_weight", lambda: _ns(weight=torch.zeros(N, K, dtype=torch.int32), params_dtype=BF16),
               args=("weight",))
 reject_module("weight_3d", lambda: _ns(weight=torch.zeros(2, N, K)))
 reject_module("dense_with_stray_scale", lambda: _ns(weight=_w(), weight_scale=_chan))
-reject_module("bits_8", lambda: _ns(qweight=_i4.qweight, scales=_i4.scales, bits=8, params_dtype=BF16))
-reject_module("act_order_g_idx", lambda: _ns(qweight=_i4.qweight, scales=_i4.scales, params_dtype=BF16,
+reject_module("bits_8", lambda: _ns(qweight=_i4().qweight, scales=_i4().scales, bits=8, params_dtype=BF16))
+reject_module("act_order_g_idx", lambda: _ns(qweight=_i4().qweight, scales=_i4().scales, params_dtype=BF16,
                                               g_idx=torch.randperm(K)), args=("g_idx",))
 reject_module("stated_sizes_disagree", lambda: _ns(weight=_w(), out_features=N + 1, in_features=K),
               args=("weight",))
 reject_module("params_dtype_int8", lambda: _linear(), args=("params_dtype",), params_dtype=torch.int8)
 reject_module("params_dtype_str", lambda: _linear(), args=("params_dtype",), params_dtype="bf16")
 reject_module("weight_is_a_list", lambda: _ns(weight=[[0.0] * K], params_dtype=BF16))
-reject_module("params_dtype_attr_str", lambda: _ns(weight=_fb.weight, weight_scale_inv=_fb.weight_scale_inv,
+reject_module("params_dtype_attr_str", lambda: _ns(weight=_fb().weight, weight_scale_inv=_fb().weight_scale_inv,
                                                    params_dtype="bfloat16"), args=("params_dtype",))
 
 
@@ -477,13 +494,17 @@ def shard_bad(name, fn, args, entry="shard_weight"):
     ctor(f"{SHARD}:{entry}", name, fn, args=args)
 
 
-_full = W.DenseWeight(_w(n=HEADS * HEAD_ROWS))
-shard_bad("tp_not_dividing", lambda: shard.shard_weight(_full, HEADS, HEAD_ROWS, 3, 0), ("tp_size",))
-shard_bad("rank_past_tp", lambda: shard.shard_weight(_full, HEADS, HEAD_ROWS, 2, 2), ("rank",))
-shard_bad("rank_negative", lambda: shard.shard_weight(_full, HEADS, HEAD_ROWS, 2, -1), ("rank",))
-shard_bad("tp_zero", lambda: shard.shard_weight(_full, HEADS, HEAD_ROWS, 0, 0), ("tp_size",))
-shard_bad("tp_bool", lambda: shard.shard_weight(_full, HEADS, HEAD_ROWS, True, 0), ("tp_size",))
-shard_bad("heads_disagree_with_n", lambda: shard.shard_weight(_full, 8, HEAD_ROWS, 2, 0), ("fmt", "num_heads"))
+@functools.cache
+def _full():
+    return W.DenseWeight(_w(n=HEADS * HEAD_ROWS))
+
+
+shard_bad("tp_not_dividing", lambda: shard.shard_weight(_full(), HEADS, HEAD_ROWS, 3, 0), ("tp_size",))
+shard_bad("rank_past_tp", lambda: shard.shard_weight(_full(), HEADS, HEAD_ROWS, 2, 2), ("rank",))
+shard_bad("rank_negative", lambda: shard.shard_weight(_full(), HEADS, HEAD_ROWS, 2, -1), ("rank",))
+shard_bad("tp_zero", lambda: shard.shard_weight(_full(), HEADS, HEAD_ROWS, 0, 0), ("tp_size",))
+shard_bad("tp_bool", lambda: shard.shard_weight(_full(), HEADS, HEAD_ROWS, True, 0), ("tp_size",))
+shard_bad("heads_disagree_with_n", lambda: shard.shard_weight(_full(), 8, HEAD_ROWS, 2, 0), ("fmt", "num_heads"))
 shard_bad("fmt_is_a_module", lambda: shard.shard_weight(_linear(), HEADS, HEAD_ROWS, 2, 0), ("fmt",))
 shard_bad("fp8_block_cut", lambda: shard.shard_weight(W.Fp8BlockWeight.from_dense(_w(n=8 * 48), BF16), 8, 48, 4, 1),
           ("tp_size", "rank", "rows"))
@@ -507,10 +528,10 @@ def _shard_for_valid(g):
 
 
 add(f"{SHARD}:shard_for", "per_rank_config", _shard_for_valid, "accept")
-shard_bad("model_config_none", lambda: shard.shard_for(_full, None, 2, 0), ("model_config",), entry="shard_for")
-shard_bad("tp_disagrees_with_config", lambda: shard.shard_for(_full, _TINY.shard(2, 1), 4, 1), ("tp_size",),
+shard_bad("model_config_none", lambda: shard.shard_for(_full(), None, 2, 0), ("model_config",), entry="shard_for")
+shard_bad("tp_disagrees_with_config", lambda: shard.shard_for(_full(), _TINY.shard(2, 1), 4, 1), ("tp_size",),
           entry="shard_for")
-shard_bad("full_config_without_tp", lambda: shard.shard_for(_full, _TINY), ("tp_size", "rank"), entry="shard_for")
+shard_bad("full_config_without_tp", lambda: shard.shard_for(_full(), _TINY), ("tp_size", "rank"), entry="shard_for")
 
 
 # ---------------------------------------------------------------------------

@@ -56,7 +56,7 @@ BIG = os.environ.get("MLA_EXT_FUZZ_BIG", "0") not in ("", "0")
 # Children run side by side (the machine has 2 cores; MLA_EXT_FUZZ_JOBS=1 for serial).
 JOBS = max(1, int(os.environ.get("MLA_EXT_FUZZ_JOBS", "2")))
 DEFAULT_TIMEOUT = 60.0
-QUICK = 8.0  # cases that must be refused in O(1): anything slower is a hang
+QUICK = 12.0  # cases that must be refused in O(1): anything slower is a hang (margin for a loaded machine)
 # Address-space head room of a child over the parent's: a runaway allocation
 # fails (MemoryError / RuntimeError) instead of taking the shared machine down.
 CHILD_EXTRA_AS = 4 << 30
@@ -422,10 +422,14 @@ class _Running:
 
 
 def _tail(out) -> str:
+    """What the child printed last; for a fatal signal, faulthandler's first (innermost) frames."""
     out.seek(0)
-    text = out.read().decode("utf-8", "replace").strip().splitlines()
-    keep = [ln for ln in text if ln.strip()][-6:]
-    return " | ".join(keep)
+    lines = [ln for ln in out.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    fatal = next((i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")), None)
+    if fatal is not None:
+        frames = [ln.strip() for ln in lines[fatal + 1:] if ln.strip().startswith("File ")][:3]
+        return " | ".join([lines[fatal]] + frames)
+    return " | ".join(lines[-6:])
 
 
 def _finish(run: _Running, killed: bool) -> Result:
