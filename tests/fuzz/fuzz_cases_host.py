@@ -122,7 +122,11 @@ def P(name, expect="accept", args=(), mutate=None, *, fmt="fp8", setup=None, tim
     add(PREFILL, name, build, expect, args, timeout=timeout, also=(f"{PREFILL}.forward",))
 
 
-for _fmt in (f.name for f in formats.FORMATS if f.name in ("auto", "fp8", "fp8_e5m2", "fp8_ds_mla")):
+# Every registered format a bf16 model with DeepSeek's latent dims can use (the named
+# native formats bfloat16/float16 are "auto" here or refused: a native cache holds the model dtype).
+LAYER_FORMATS = tuple(f.name for f in formats.FORMATS
+                      if f.supports_dims(TINY.L, TINY.R) and (f.is_quantized or f.storage == "model"))
+for _fmt in LAYER_FORMATS:
     P(f"valid_{_fmt}", fmt=_fmt)
 P("valid_skipped_layer", fmt="fp8_ds_mla", setup=dict(layer_kw=dict(layer=None, prefix="model.layers.0.attn")))
 P("one_chunk_per_request", setup=dict(ctx=(70, 5, 33), qlens=(1, 2, 1)))

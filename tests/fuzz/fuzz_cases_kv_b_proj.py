@@ -751,3 +751,112 @@ add(MVL, "sizes_disagree", _mvl(dict(output_size_per_partition=192), expect="rej
     ("qweight", "size_n", "weight"))
 add(MVL, "scales_fp32", _mvl(dict(weight_scale=torch.ones(1, 128)), expect="either"), "either",
     ("scales", "weight_scale"))
+
+
+# ---------------------------------------------------------------------------
+# Scale layouts: block-FP8 scale layouts, NVFP4 128x4 swizzle
+# ---------------------------------------------------------------------------
+
+def swizzled_position(r: int, c: int, kp: int) -> int:
+    """Flat index of NVFP4 block scale (r, c) in the 128x4 swizzled layout (CUTLASS / vLLM's
+    swizzle_blockscale; cuBLAS: NVFP4 A of 128 x 128, scale (5, 2) at 82, (5, 5) at 593)."""
+    return ((r // 128) * (kp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def _swizzle_reference(linear: torch.Tensor) -> torch.Tensor:
+    n, kb = linear.shape
+    mp, kp = -(-n // 128) * 128, -(-kb // 4) * 4
+    flat = torch.zeros(mp * kp, dtype=linear.dtype)
+    for r in range(n):
+        for c in range(kb):
+            flat[swizzled_position(r, c, kp)] = linear[r, c]
+    return flat.view(mp, kp)
+
+
+def _scales(n: int, kb: int) -> torch.Tensor:
+    return torch.randn(n, kb, generator=torch.Generator().manual_seed(n * 131 + kb)).abs()
+
+
+def _swizzle_case(n: int, kb: int):
+    def build(g):
+        lin = g.put(_scales(n, kb), "linear")
+        want = _swizzle_reference(lin.clone())
+
+        def check(got):
+            assert torch.equal(got, want), "swizzled layout differs from the 128x4 formula"
+            back = W.unswizzle_nvfp4_scales(got, n, kb * 16)
+            assert torch.equal(back, lin), "unswizzle(swizzle(s)) != s"
+        return Call(lambda: W.swizzle_nvfp4_scales(lin), check)
+    return build
+
+
+SWZ, UNSWZ, SWZ_SHAPE = (f"{WTS}:{n}" for n in ("swizzle_nvfp4_scales", "unswizzle_nvfp4_scales",
+                                                "nvfp4_swizzled_scale_shape"))
+add(SWZ, "cublas_example_128x8", _swizzle_case(128, 8), "accept", also=(UNSWZ,))
+add(SWZ, "padded_200x6", _swizzle_case(200, 6), "accept", also=(UNSWZ,))
+add(SWZ, "one_row", _swizzle_case(1, 1), "accept", also=(UNSWZ,))
+ctor(SWZ, "linear_1d", lambda: W.swizzle_nvfp4_scales(torch.ones(32)), args=("linear",))
+ctor(SWZ, "linear_list", lambda: W.swizzle_nvfp4_scales([[1.0]]), args=("linear",))
+ctor(UNSWZ, "wrong_numel", lambda: W.unswizzle_nvfp4_scales(torch.ones(128, 3), 128, 64), args=("weight_scale",))
+ctor(UNSWZ, "3d", lambda: W.unswizzle_nvfp4_scales(torch.ones(1, 128, 4), 128, 64), args=("weight_scale",))
+ctor(UNSWZ, "not_a_tensor", lambda: W.unswizzle_nvfp4_scales(None, 128, 64), args=("weight_scale",))
+add(SWZ_SHAPE, "padded", lambda g: Call(lambda: W.nvfp4_swizzled_scale_shape(200, 48),
+                                        lambda got: None if got == (256, 4) else _fail(f"{got}, expected (256, 4)")),
+    "accept")
+ctor(SWZ_SHAPE, "n_negative", lambda: W.nvfp4_swizzled_scale_shape(-5, 64), args=("n",))
+
+
+def _nvfp4_swizzled(g):
+    fmt = W.Nvfp4Weight.from_dense(_w(n=200), BF16)
+    swz = g.put(W.swizzle_nvfp4_scales(fmt.weight_scale.view(torch.uint8)).view(E4M3), "weight_scale")
+    want = independent_dequant(fmt)
+
+    def check(f):
+        assert torch.equal(independent_dequant(f), want), "swizzled scales read back wrong"
+    return Call(lambda: W.Nvfp4Weight(fmt.weight, swz, fmt.weight_scale_2, BF16, scale_layout="swizzled"), check)
+
+
+add(NW, "swizzled_scales", _nvfp4_swizzled, "accept")
+ctor(NW, "scale_layout_unknown", lambda: W.Nvfp4Weight(_nv().weight, _nv().weight_scale, _nv().weight_scale_2, BF16,
+                                                       scale_layout="128x4"), args=("scale_layout",))
+
+F2L = f"{WTS}:fp8_block_scales_to_linear"
+
+
+def _f2l(layout: str, make, want_fn=None, expect="accept", args=()):
+    def build(g):
+        s = g.put(make(), "weight_scale_inv")
+        want = want_fn(s.clone()) if want_fn else None
+
+        def check(got):
+            assert torch.equal(got, want), f"{layout}: {got} != {want}"
+        return Call(lambda: W.fp8_block_scales_to_linear(s, 300, 200, layout), check if want_fn else None)
+    add(F2L, layout if expect == "accept" else f"{layout}_bad", build, expect, args)
+
+
+def _lin():
+    return torch.arange(6.0).view(3, 2) + 1  # [ceil(300/128), ceil(200/128)]
+
+
+_f2l("linear", _lin, lambda s: s)
+_f2l("transposed", lambda: _lin().t().contiguous(), lambda s: s.t())
+_f2l("linear_padded", lambda: torch.arange(20.0).view(4, 5), lambda s: s[:3, :2])
+_f2l("transposed_padded", lambda: torch.arange(20.0).view(4, 5), lambda s: s[:2, :3].t())
+_f2l("transposed", _lin, expect="reject", args=("weight_scale_inv",))
+_f2l("column", _lin, expect="reject", args=("scale_layout",))
+_f2l("linear_padded", lambda: torch.ones(2, 2), expect="reject", args=("weight_scale_inv",))
+ctor(F2L, "scale_not_a_tensor", lambda: W.fp8_block_scales_to_linear(0.5, 300, 200, "linear"),
+     args=("weight_scale_inv",))
+ctor(F2L, "layout_none", lambda: W.fp8_block_scales_to_linear(_lin(), 300, 200, None), args=("scale_layout",))
+
+
+def _fp8_block_layout(g):
+    fmt = W.Fp8BlockWeight.from_dense(_w(n=300), BF16)
+    st = g.put(fmt.weight_scale_inv.t().contiguous(), "weight_scale_inv")
+
+    def check(f):
+        assert torch.equal(independent_dequant(f), independent_dequant(fmt)), "transposed scales read back wrong"
+    return Call(lambda: W.Fp8BlockWeight(fmt.weight, st, BF16, scale_layout="transposed"), check)
+
+
+add(BW, "transposed_scales", _fp8_block_layout, "accept")

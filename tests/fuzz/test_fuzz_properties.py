@@ -214,7 +214,7 @@ def test_chunk_plan_invariants(ctx, data, A, mult):
     ok(build)
 
 
-@given(fmt=st.sampled_from(["auto", "fp8", "fp8_e5m2", "fp8_ds_mla"]),
+@given(fmt=st.sampled_from(fh.LAYER_FORMATS),
        reqs=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 3)), min_size=1, max_size=3),
        ws=st.sampled_from([16, 32, 256]), seed=st.integers(0, 99))
 @FEW
