@@ -2,9 +2,16 @@
 
 K = 512 (kv_lora_rank); N = 4,096 (16 heads x 256, TP8) and 32,768 (128 heads).
 For every (N, M, format) it times each backend that can serve the input
-(forced, so the M thresholds do not hide a backend) and the automatic choice
-("dispatch:<backend>"), next to a cuBLAS bf16 GEMM of the same x and a
-dense bf16 weight, timed in the same run. The input is the row-strided
+(forced, so the M thresholds do not hide a backend; block fp8 has three side by
+side: scaled_mm_block (cuBLASLt through torch._scaled_mm), triton_fp8_block and
+dequant_dense) and the automatic choice ("dispatch:<backend>"), next to a cuBLAS
+bf16 GEMM of the same x and a dense bf16 weight, timed in the same run.
+
+Physical limits, measured in the same run: copy bandwidth (256 MiB copy, read +
+written bytes), bf16 GEMM and fp8 GEMM (tensorwise torch._scaled_mm) TFLOP/s on
+8192^3. Each row's roofline floor is max(bytes moved / copy bandwidth, flops /
+the peak of its arithmetic: fp8 for the W8A8 backends, bf16 otherwise); bytes
+moved = x + the weight as the backend reads it + out. `x_floor` = time / floor. The input is the row-strided
 workspace view x = workspace[:, :512] (row stride 576), as in the prefill path.
 Every output is checked first against x @ dequantized weight in fp32
 (mean|out - ref| / mean|ref| < 0.06: the weight-only tolerance of SPEC §9
@@ -24,7 +31,14 @@ Output (DIR = --out, default benchmarks/results/):
   DIR/kv_b_proj_crossovers_<device>.txt and stdout: from whatever rows exist,
       the measured crossover M for MARLIN_MAX_M, W4A16_MAX_M and
       FP8_NATIVE_MIN_M (mla_ext/kv_b_proj/linear.py), where the automatic
-      choice misses the best backend, and the M >= 8K ratio vs cuBLAS bf16.
+      choice misses the best backend, the M >= 8K ratio vs cuBLAS bf16, every
+      backend side by side at M >= 8K, and the physical limits.
+  DIR/dispatch_table_<device>.json (--table): the measured dispatch table
+      (mla_ext.dispatch): for every (weight format, dtype, K, N, M bucket) the
+      correct backends, fastest first, with their times. Copy it to
+      mla_ext/dispatch_tables/<device>.json (or pass that path as --table: the
+      kv_b_proj section is merged in, other ops' sections are kept) and commit
+      it: KvBProj then dispatches by these measurements on that device.
 Interrupted (SIGINT, e.g. `timeout -s INT`): reports the rows measured so far.
 
 GPU timing: CUDA events around each call, with L2 scrubbed (a 256 MiB write)
@@ -40,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -51,10 +64,11 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 from bench_common import RowLog, finish  # noqa: E402
 
+from mla_ext import dispatch as D  # noqa: E402
 from mla_ext.kv_b_proj import DISPATCH, KvBProj  # noqa: E402
 from mla_ext.kv_b_proj import linear as L  # noqa: E402
 from mla_ext.kv_b_proj import weights as W  # noqa: E402
-from mla_ext.kv_b_proj.linear import KvBProjInputs, _capability  # noqa: E402
+from mla_ext.kv_b_proj.linear import KvBProjInputs, _capability, table_bucket  # noqa: E402
 
 K = 512
 E = 576
@@ -66,7 +80,8 @@ SWEEP_N = [4096, 32768]
 SWEEP_M = [1 << i for i in range(15)]  # 1 .. 16,384
 CPU_SWEEP_N = [256]
 CPU_SWEEP_M = [1, 4, 16, 64]
-CPU_NATIVE = ("dequant_dense", "scaled_mm_fp8", "marlin_w8a16")
+CPU_NATIVE = ("dequant_dense", "scaled_mm_fp8", "scaled_mm_block", "marlin_w8a16")
+FP8_COMPUTE = ("scaled_mm_block", "triton_fp8_block", "scaled_mm_fp8")  # W8A8: fp8 tensor-core peak
 DENSE = "dequant_dense"
 MAX_MEAN_REL = 0.06
 BIG_M = 8192  # the prefill regime: the issue's ">= 1.5x bf16 at M >= 8K" goal for native fp8
@@ -74,10 +89,10 @@ BIG_M = 8192  # the prefill regime: the issue's ">= 1.5x bf16 at M >= 8K" goal f
 THRESHOLDS = {
     "MARLIN_MAX_M": (("marlin_w8a16",), "max"),
     "W4A16_MAX_M": (("triton_w4a16",), "max"),
-    "FP8_NATIVE_MIN_M": (("triton_fp8_block", "scaled_mm_fp8"), "min"),
+    "FP8_NATIVE_MIN_M": (("scaled_mm_block", "triton_fp8_block", "scaled_mm_fp8"), "min"),
 }
-FIELDS = ["device", "dtype", "N", "K", "M", "format", "backend", "time_us", "tflops", "cublas_bf16_us",
-          "ratio_vs_cublas_bf16", "mean_rel_err"]
+FIELDS = ["device", "dtype", "N", "K", "M", "format", "weight_format", "backend", "time_us", "tflops",
+          "cublas_bf16_us", "ratio_vs_cublas_bf16", "floor_us", "x_floor", "mean_rel_err"]
 
 
 class Timer:
@@ -114,10 +129,69 @@ def _sig(v: float) -> float:
     return float(f"{v:.4g}")
 
 
+def device_name(device: torch.device) -> str:
+    """The name dispatch tables are filed under (mla_ext.kv_b_proj.linear._device_name)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def device_tag(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
+    return D.device_slug(device_name(device))
+
+
+# -- physical limits, measured in the same run --------------------------------------
+
+def measure_limits(device: torch.device, timer: "Timer") -> dict:
+    """{copy_gbs, bf16_tflops, fp8_tflops}; a limit that cannot be measured is NaN
+    (and its error is in "errors")."""
+    gpu = device.type == "cuda"
+    out = {"copy_gbs": float("nan"), "bf16_tflops": float("nan"), "fp8_tflops": float("nan"), "errors": []}
+    try:
+        nbytes = (256 if gpu else 16) << 20
+        src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        out["copy_gbs"] = 2 * nbytes / timer(lambda: dst.copy_(src)) / 1e9
+        del src, dst
+    except Exception as exc:  # noqa: BLE001 - a missing limit is reported, the run goes on
+        out["errors"].append(f"copy: {exc}")
+    n = 8192 if gpu else 512
+    try:
+        a = torch.randn(n, n, device=device).to(torch.bfloat16)
+        b = torch.randn(n, n, device=device).to(torch.bfloat16)
+        out["bf16_tflops"] = 2 * n ** 3 / timer(lambda: a @ b) / 1e12
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        out["fp8_tflops"] = 2 * n ** 3 / timer(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)) / 1e12
+    except Exception as exc:  # noqa: BLE001
+        out["errors"].append(f"gemm: {' '.join(str(exc).split())[:200]}")
+    return out
+
+
+def limits_line(lim: dict) -> str:
+    text = (f"physical limits measured in this run: copy {lim['copy_gbs']:.4g} GB/s, "
+            f"bf16 GEMM {lim['bf16_tflops']:.4g} TFLOP/s, fp8 GEMM {lim['fp8_tflops']:.4g} TFLOP/s")
+    return text + (f" ({'; '.join(lim['errors'])})" if lim.get("errors") else "")
+
+
+def weight_bytes(fmt) -> int:
+    """Bytes of the stored weight tensors of a format (one level into packed objects)."""
+    total = 0
+    for v in vars(fmt).values():
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif hasattr(v, "__dict__") and not isinstance(v, (torch.dtype, torch.device)):
+            total += sum(t.numel() * t.element_size() for t in vars(v).values() if isinstance(t, torch.Tensor))
+    return total
+
+
+def floor_seconds(backend: str, layer: KvBProj, m: int, elt: int, lim: dict) -> float:
+    """The row's roofline floor: max(bytes / copy bandwidth, flops / peak)."""
+    n, k = layer.N, layer.K
+    w = n * k * elt if backend == DENSE else weight_bytes(layer.weight_format)
+    mem = (m * k * elt + w + m * n * elt) / (lim["copy_gbs"] * 1e9)
+    peak = lim["fp8_tflops"] if backend in FP8_COMPUTE else lim["bf16_tflops"]
+    comp = 2.0 * m * n * k / (peak * 1e12)
+    return max(mem, comp)
 
 
 def usable_backends(layer: KvBProj, x: torch.Tensor) -> list[str]:
@@ -154,10 +228,13 @@ def _layers(args, n: int, dt: torch.dtype, device, log: RowLog, base: dict):
     return w.to(device), out
 
 
-def run(args, log: RowLog) -> None:
+def run(args, log: RowLog, limits: dict) -> None:
     device = torch.device(args.device)
     dt = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    elt = torch.tensor([], dtype=dt).element_size()
     timer = Timer(device, not args.no_flush)
+    limits.update(measure_limits(device, timer))
+    print(limits_line(limits), flush=True)
     base = dict(device=device_tag(device), dtype=args.dtype, K=K)
     gen = torch.Generator().manual_seed(0)
     for n in args.N:
@@ -172,7 +249,8 @@ def run(args, log: RowLog) -> None:
                 log.fail(dict(base, N=n, M=m, format="dense", backend="cublas_bf16"), exc)
                 t_ref = float("nan")
             for recipe, (layer, w32) in layers.items():
-                row0 = dict(base, N=n, M=m, format=recipe, cublas_bf16_us=_sig(t_ref * 1e6))
+                row0 = dict(base, N=n, M=m, format=recipe, weight_format=layer.weight_format.name,
+                            cublas_bf16_us=_sig(t_ref * 1e6))
                 try:
                     ref = x.float() @ w32.t()
                     cands = usable_backends(layer, x) + [None]
@@ -194,10 +272,13 @@ def run(args, log: RowLog) -> None:
                     except Exception as exc:  # noqa: BLE001 - e.g. a torch build whose _scaled_mm refuses the scales
                         log.fail(row, exc)
                         continue
+                    fl = floor_seconds(forced or chosen, layer, m, elt, limits)
                     r = log.add(dict(row, time_us=_sig(t * 1e6), tflops=_sig(flop / t / 1e12),
-                                     ratio_vs_cublas_bf16=_sig(t_ref / t), mean_rel_err=_sig(err)))
+                                     ratio_vs_cublas_bf16=_sig(t_ref / t), floor_us=_sig(fl * 1e6),
+                                     x_floor=_sig(t / fl), mean_rel_err=_sig(err)))
                     print(f"N={n:6d} M={m:6d} {recipe:16s} {label:28s} {r['time_us']:10.1f} us "
-                          f"{r['tflops']:8.2f} TFLOP/s  x{r['ratio_vs_cublas_bf16']:.2f} vs bf16", flush=True)
+                          f"{r['tflops']:8.2f} TFLOP/s  x{r['ratio_vs_cublas_bf16']:.2f} vs bf16  "
+                          f"{r['x_floor']:.2f}x floor", flush=True)
                 del ref
 
 
@@ -297,8 +378,65 @@ def big_m(rows: list[dict]) -> list[str]:
     return out
 
 
-def report(rows: list[dict], is_gpu: bool, max_misses: int = 20) -> list[str]:
-    lines = ["crossover M (fill mla_ext/kv_b_proj/linear.py thresholds from these):"]
+def side_by_side(rows: list[dict], min_m: int = BIG_M) -> list[str]:
+    """At M >= min_m: every backend of each (N, format, M) on one line, fastest first:
+    time, speed vs cuBLAS bf16 and multiple of the roofline floor."""
+    ok = [r for r in rows if r["status"] == "ok" and not r["backend"].startswith("dispatch:")]
+    out = []
+    for n, fmt, m in sorted({(r["N"], r["format"], r["M"]) for r in ok if r["M"] >= min_m}):
+        sel = sorted((r for r in ok if (r["N"], r["format"], r["M"]) == (n, fmt, m)), key=lambda r: r["time_us"])
+        cells = [f"{r['backend']} {r['time_us']:.4g} us x{r.get('ratio_vs_cublas_bf16', float('nan')):.2f}"
+                 + (f" ({r['x_floor']:.2f}x floor)" if isinstance(r.get("x_floor"), float) else "") for r in sel]
+        out.append(f"N={n} M={m} {fmt}: " + " | ".join(cells) + f" | cuBLAS bf16 {sel[0].get('cublas_bf16_us')} us")
+    return out
+
+
+def table_entries(rows: list[dict], dtype: torch.dtype) -> dict:
+    """{bucket: {"order", "us", "recipes", "M", "cublas_bf16_us"}} from the correct rows: per
+    (weight format, dtype, K, N, M bucket) the backends fastest first. Recipes sharing a
+    weight format (fp8 per-tensor / per-channel) count with their slowest time; several
+    measured M in one bucket: the largest."""
+    ok = [r for r in rows if r["status"] == "ok" and not r["backend"].startswith("dispatch:")
+          and r.get("weight_format") and isinstance(r.get("time_us"), float)]
+    groups: dict[str, dict] = {}
+    for r in ok:
+        key = table_bucket(r["weight_format"], dtype, dtype, r["K"], r["N"], r["M"])
+        g = groups.setdefault(key, {"M": r["M"], "us": {}, "recipes": set(), "cublas_bf16_us": r.get("cublas_bf16_us")})
+        if r["M"] < g["M"]:
+            continue
+        if r["M"] > g["M"]:
+            g.update(M=r["M"], us={}, recipes=set(), cublas_bf16_us=r.get("cublas_bf16_us"))
+        g["us"][r["backend"]] = max(g["us"].get(r["backend"], 0.0), r["time_us"])
+        g["recipes"].add(r["format"])
+    entries = {}
+    for key, g in sorted(groups.items()):
+        order = sorted(g["us"], key=lambda b: g["us"][b])
+        entries[key] = {"order": order, "us": {b: g["us"][b] for b in order}, "recipes": sorted(g["recipes"]),
+                        "M": g["M"], "cublas_bf16_us": g["cublas_bf16_us"]}
+    return entries
+
+
+def write_table(rows: list[dict], args, path: str) -> str:
+    """Merge the measured entries into the table at `path`; one line for the report."""
+    device = torch.device(args.device)
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    entries = table_entries(rows, dt)
+    if not entries:
+        return f"dispatch table: no correct rows, {path} not written"
+    import triton
+
+    source = (f"benchmarks/bench_kv_b_proj.py ({'sweep' if args.sweep else 'run'}, N={args.N}, M={args.M}, "
+              f"{args.dtype}{', no L2 flush' if args.no_flush else ''}) on {device_name(device)}, "
+              f"torch {torch.__version__}, triton {triton.__version__}, {time.strftime('%Y-%m-%d')}")
+    D.write_table_entries(path, device_name(device), L.OP, entries, source)
+    return f"dispatch table: {len(entries)} entries for {device_name(device)} -> {path}"
+
+
+def report(rows: list[dict], is_gpu: bool, max_misses: int = 20, limits: dict | None = None) -> list[str]:
+    lines = []
+    if limits:
+        lines.append(limits_line(limits))
+    lines.append("crossover M (fill mla_ext/kv_b_proj/linear.py thresholds from these):")
     lines += ["  " + s for s in crossovers(rows)]
     lines.append("automatic choice vs the best backend (> 5% slower):")
     misses = dispatch_misses(rows)
@@ -311,6 +449,8 @@ def report(rows: list[dict], is_gpu: bool, max_misses: int = 20) -> list[str]:
     lines.append("M >= 8K vs cuBLAS bf16, and the small-M Marlin goal:")
     if is_gpu:
         lines += ["  " + s for s in (big_m(rows) or ["no row at M >= 8192 or M <= 16"])]
+        lines.append("every backend side by side at M >= 8K (fastest first; x = speed vs cuBLAS bf16):")
+        lines += ["  " + s for s in (side_by_side(rows) or ["no row at M >= 8192"])]
     else:
         lines.append("  not evaluated: CPU timings on shared cores say nothing about the GPU goals")
     bad = [r for r in rows if r["status"] != "ok"]
@@ -354,6 +494,7 @@ def main(argv=None) -> int:
     p.add_argument("--M", type=int, nargs="+")
     p.add_argument("--formats", nargs="+", default=sorted(W.RECIPES), choices=sorted(W.RECIPES))
     p.add_argument("--no-flush", action="store_true", help="do not scrub L2 between calls")
+    p.add_argument("--table", help="dispatch table to write/merge (default DIR/dispatch_table_<device>.json)")
     args = p.parse_args(argv)
     gpu = torch.device(args.device).type == "cuda"
     if args.sweep:
@@ -366,14 +507,19 @@ def main(argv=None) -> int:
     stem = os.path.join(args.out, f"kv_b_proj_{tag}")
     log = RowLog(stem + ".csv", FIELDS)
     interrupted = False
+    limits: dict = {}
     try:
-        run(args, log)
+        run(args, log, limits)
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: reporting the rows measured so far", flush=True)
     except Exception as exc:  # noqa: BLE001 - report what was measured before the failure
         log.fail(dict(device=tag, backend="run"), exc)
-    lines = report(log.rows, gpu)
+    lines = report(log.rows, gpu, limits=limits)
+    try:
+        lines.append(write_table(log.rows, args, args.table or os.path.join(args.out, f"dispatch_table_{tag}.json")))
+    except Exception as exc:  # noqa: BLE001 - the CSV and the report matter more
+        lines.append(f"dispatch table: not written ({type(exc).__name__}: {exc})")
     with open(os.path.join(args.out, f"kv_b_proj_crossovers_{tag}.txt"), "w") as f:
         f.write(f"kv_b_proj crossovers on {tag} (N={args.N}, M={args.M}"
                 f"{', INTERRUPTED' if interrupted else ''})\n" + "\n".join(lines) + "\n")

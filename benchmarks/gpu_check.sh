@@ -25,7 +25,9 @@
 #               one process per file, in parallel, caching allocator off,
 #               HYPOTHESIS_PROFILE=memcheck (a few examples per property test)
 #   demo        python -m mla_ext demo --full, checked against the oracle
-#   bench_kv_b_proj  --sweep: the dispatch thresholds' crossovers, M >= 8K vs bf16
+#   bench_kv_b_proj  --sweep: the dispatch thresholds' crossovers, M >= 8K vs bf16, and
+#               the measured dispatch table bench/dispatch_table_<device>.json (in the
+#               tarball only; copy it to mla_ext/dispatch_tables/<device>.json to commit it)
 #   bench_prefill, bench_gather (10 repetitions), bench_attention
 # Without a GPU (no nvidia-smi, or it lists none) it runs the CPU-side steps (build,
 # info, demo, benchmarks at CPU sizes). If nvidia-smi lists a GPU and torch cannot

@@ -7,6 +7,32 @@ reasons. The choice is inspectable (`explain`) and can be forced, for tests
 and benchmarks, with `Dispatcher.force(name)` or the environment variable
 MLA_EXT_FORCE_<OP>=<backend> (e.g. MLA_EXT_FORCE_GATHER=triton).
 
+Capability vs performance. A backend's `reasons` say what it cannot do (device,
+architecture, dtype, shape limits). Its optional `heuristic` states the
+performance rules of the stated order (e.g. "M > MARLIN_MAX_M"): they apply only
+when nothing better is known. Forcing a backend ignores them, and so does a
+measurement:
+
+Dispatch by measurement. A dispatcher built with `table_key=` (a callable
+inputs -> (device name, bucket), bucket being a key or a list of keys tried in
+order) reads the table committed for that device,
+mla_ext/dispatch_tables/<device_slug(name)>.json:
+
+    {"format": 1, "device": "NVIDIA H200",
+     "ops": {"<op>": {"source": "how it was measured",
+                      "entries": {"<bucket>": {"order": ["fastest", "next", ...],
+                                               "us": {"fastest": 12.5, ...}}}}}}
+
+For a bucket in the table it takes the first backend of `order` (measured
+fastest first) that can serve the inputs; with no table for the device, no entry
+for the bucket, or no usable measured backend, it falls back to the stated order.
+`explain()` says which: the file, the key and the measured numbers, or
+"no measurement for <device>: stated order". MLA_EXT_DISPATCH_TABLES=<dir> reads
+the tables from another folder; MLA_EXT_DISPATCH_TABLES=off ignores them. A table
+that cannot be read is reported by `explain()` and otherwise ignored: dispatch
+never fails because of a table. `write_table_entries()` merges measured entries
+into a table file (the benchmarks use it).
+
 A backend named "triton" or "triton_<...>" runs Triton kernels: besides its
 own reasons it reports those of the installed Triton itself, which matter
 under TRITON_INTERPRET=1 (`mla_ext.compat.triton_interpreter_reasons`: e.g. an
@@ -19,9 +45,18 @@ imports nothing either), lazily.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+TABLE_FORMAT = 1
+TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch_tables")
+TABLES_ENV = "MLA_EXT_DISPATCH_TABLES"
+_TABLES_OFF = ("off", "0", "none")
 
 
 class NoBackendError(ValueError):
@@ -34,11 +69,15 @@ class Backend:
 
     `reasons(inputs)` returns a list of human-readable reasons why this backend
     cannot serve `inputs` (empty list: it can). `run(inputs)` does the work.
+    `heuristic(inputs)` (optional) returns the stated order's performance rules
+    that speak against it for these inputs (e.g. an M threshold); they are
+    ignored when the backend is forced or a measurement decides.
     """
 
     name: str
     reasons: Callable[[Any], list[str]]
     run: Callable[[Any], Any]
+    heuristic: Callable[[Any], list[str]] | None = None
 
     def not_supported_reasons(self, inputs: Any) -> list[str]:
         why = list(self.reasons(inputs))
@@ -48,17 +87,211 @@ class Backend:
             why += triton_interpreter_reasons()  # [] unless interpreting; probed once
         return why
 
+    def heuristic_reasons(self, inputs: Any) -> list[str]:
+        return [] if self.heuristic is None else list(self.heuristic(inputs))
+
 
 def is_triton_backend(name: str) -> bool:
     """The naming convention for backends that run Triton kernels."""
     return name == "triton" or name.startswith("triton_")
 
 
+# -- measured dispatch tables ---------------------------------------------------
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia_h200': the table file name of a device."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"device name: expected a non-empty str, got {name!r}")
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def tables_dir() -> str | None:
+    """The folder the tables are read from (None: tables are off)."""
+    env = os.environ.get(TABLES_ENV)
+    if env is None or env == "":
+        return TABLES_DIR
+    return None if env.lower() in _TABLES_OFF else env
+
+
+def table_path(device_name: str, directory: str | None = None) -> str:
+    return os.path.join(directory or TABLES_DIR, device_slug(device_name) + ".json")
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """One measured bucket of one op on one device."""
+
+    path: str
+    device: str
+    op: str
+    key: str
+    order: tuple[str, ...]
+    us: dict = field(default_factory=dict)
+    requested: str = ""   # the bucket asked for, when a neighbouring key matched
+
+    def numbers(self) -> str:
+        parts = []
+        for name in self.order:
+            t = self.us.get(name)
+            parts.append(f"{name} {t:.4g} us" if isinstance(t, (int, float)) else name)
+        return ", ".join(parts)
+
+    def describe(self) -> str:
+        near = f" (nearest measured bucket to {self.requested!r})" if self.requested and self.requested != self.key else ""
+        return f"dispatch table {self.path} [{self.op}] {self.key!r}{near}: measured {self.numbers()}"
+
+
+_TABLE_LOCK = threading.Lock()
+_TABLE_CACHE: dict[str, tuple[dict | None, str | None]] = {}
+_LOOKUPS: dict[tuple, tuple["TableEntry | None", str]] = {}  # (dir, op, device, keys) -> lookup()
+
+
+def clear_table_cache() -> None:
+    """Forget the tables read so far (they are read once per process)."""
+    with _TABLE_LOCK:
+        _TABLE_CACHE.clear()
+        _LOOKUPS.clear()
+
+
+def _validate_table(data: Any, path: str) -> dict:
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    if data.get("format") != TABLE_FORMAT:
+        raise ValueError(f"'format' must be {TABLE_FORMAT}, got {data.get('format')!r}")
+    ops = data.get("ops")
+    if not isinstance(ops, dict):
+        raise ValueError("'ops' must be an object {op: {'entries': {...}}}")
+    for op, sec in ops.items():
+        entries = sec.get("entries") if isinstance(sec, dict) else None
+        if not isinstance(entries, dict):
+            raise ValueError(f"ops[{op!r}] must be an object with an 'entries' object")
+        for key, e in entries.items():
+            order = e.get("order") if isinstance(e, dict) else None
+            if not isinstance(order, list) or not order or not all(isinstance(n, str) for n in order):
+                raise ValueError(f"ops[{op!r}].entries[{key!r}].order must be a non-empty list of backend names")
+            us = e.get("us", {})
+            if not isinstance(us, dict) or not all(isinstance(v, (int, float)) for v in us.values()):
+                raise ValueError(f"ops[{op!r}].entries[{key!r}].us must map backend names to numbers")
+    return data
+
+
+def read_table(path: str) -> tuple[dict | None, str | None]:
+    """(table, None), (None, None) when the file does not exist, or (None, why) when
+    it cannot be used. Read once per path and process (see clear_table_cache)."""
+    with _TABLE_LOCK:
+        hit = _TABLE_CACHE.get(path)
+        if hit is not None:
+            return hit
+        if not os.path.exists(path):
+            res: tuple[dict | None, str | None] = (None, None)
+        else:
+            try:
+                with open(path) as f:
+                    res = (_validate_table(json.load(f), path), None)
+            except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+                res = (None, f"{type(exc).__name__}: {exc}")
+        _TABLE_CACHE[path] = res
+        return res
+
+
+def lookup(op: str, device_name: str, buckets: str | Sequence[str],
+           directory: str | None = None) -> tuple[TableEntry | None, str]:
+    """The table entry for `op` on `device_name` (the first of `buckets` present),
+    or None and why not (the explanation ends with ': stated order')."""
+    keys = (buckets,) if isinstance(buckets, str) else tuple(buckets)
+    directory = directory or tables_dir()
+    if directory is None:
+        return None, f"dispatch tables are off ({TABLES_ENV}={os.environ.get(TABLES_ENV)}): stated order"
+    memo = (directory, op, device_name, keys)
+    hit = _LOOKUPS.get(memo)  # per call on the dispatch path: the answer is kept
+    if hit is None:
+        hit = _LOOKUPS[memo] = _lookup(op, device_name, keys, directory)
+    return hit
+
+
+def _lookup(op: str, device_name: str, keys: tuple, directory: str) -> tuple[TableEntry | None, str]:
+    path = table_path(device_name, directory)
+    data, err = read_table(path)
+    if err is not None:
+        return None, f"dispatch table {path} is unusable ({err}): stated order"
+    if data is None:
+        return None, f"no measurement for {device_name}: stated order"
+    if data.get("device") not in (None, device_name):
+        return None, f"dispatch table {path} was measured on {data.get('device')!r}, not {device_name!r}: stated order"
+    sec = data["ops"].get(op)
+    if sec is None:
+        return None, f"no measurement for {device_name} in {path} for op {op!r}: stated order"
+    for key in keys:
+        e = sec["entries"].get(key)
+        if e is not None:
+            return TableEntry(path, device_name, op, key, tuple(e["order"]), dict(e.get("us", {})),
+                              requested=keys[0] if keys else ""), ""
+    return None, f"no measurement for {device_name} in {path} for {op} {keys[0] if keys else ''!r}: stated order"
+
+
+def write_table_entries(path: str, device_name: str, op: str, entries: dict, source: str = "") -> dict:
+    """Merge `entries` ({bucket: {"order": [...], "us": {...}}}) for `op` into the table
+    at `path` (created if missing; other ops' sections are kept, this op's entries with
+    the same keys are replaced). Returns the table written."""
+    data = None
+    if os.path.exists(path):
+        with open(path) as f:
+            try:
+                data = _validate_table(json.load(f), path)
+            except ValueError:
+                data = None  # an unusable file is replaced
+    if data is None or data.get("device") not in (None, device_name):
+        data = {"format": TABLE_FORMAT, "device": device_name, "ops": {}}
+    sec = data["ops"].setdefault(op, {"entries": {}})
+    if source:
+        sec["source"] = source
+    sec["entries"].update(entries)
+    _validate_table(data, path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    clear_table_cache()
+    return data
+
+
+def pow2_buckets(m: int, octaves: int = 3) -> list[int]:
+    """M rounded up to a power of two, then its neighbours up to `octaves` away,
+    nearest first (below before above): [2^i, 2^(i-1), 2^(i+1), ...], all >= 1."""
+    top = 1 if m <= 1 else 1 << math.ceil(math.log2(m))
+    out = [top]
+    for d in range(1, octaves + 1):
+        if top >> d >= 1:
+            out.append(top >> d)
+        out.append(top << d)
+    return out
+
+
+# -- the dispatcher -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen backend and how it was chosen (one line)."""
+
+    backend: Backend
+    how: str
+    entry: TableEntry | None = None
+
+
 class Dispatcher:
-    def __init__(self, op: str, backends: list[Backend] | None = None):
+    """`table_key(inputs) -> (device_name, bucket or [buckets])` turns on dispatch by
+    measurement (module docstring); without it, the stated order decides."""
+
+    def __init__(self, op: str, backends: list[Backend] | None = None,
+                 table_key: Callable[[Any], tuple[str, Any]] | None = None,
+                 tables_dir: str | None = None):
         self.op = op
         self._backends: list[Backend] = list(backends or [])
         self._forced: str | None = None
+        self.table_key = table_key
+        self.tables_dir = tables_dir  # None: mla_ext/dispatch_tables or $MLA_EXT_DISPATCH_TABLES
 
     # -- registry ---------------------------------------------------------
     def register(self, backend: Backend) -> Backend:
@@ -88,7 +321,21 @@ class Dispatcher:
     def reasons_by_backend(self, inputs: Any) -> dict[str, list[str]]:
         return {b.name: b.not_supported_reasons(inputs) for b in self._backends}
 
-    def choose(self, inputs: Any) -> Backend:
+    def table_entry(self, inputs: Any) -> tuple[TableEntry | None, str]:
+        """The measurement that applies to `inputs`, or None and why not."""
+        if self.table_key is None:
+            return None, "stated order"
+        try:
+            device_name, buckets = self.table_key(inputs)
+        except Exception as exc:  # noqa: BLE001 - a table problem never fails dispatch
+            return None, f"dispatch table key failed ({type(exc).__name__}: {exc}): stated order"
+        d = self.tables_dir
+        if d is None and tables_dir() is None:
+            return None, f"dispatch tables are off ({TABLES_ENV}={os.environ.get(TABLES_ENV)}): stated order"
+        return lookup(self.op, device_name, buckets, d)
+
+    def decide(self, inputs: Any) -> Decision:
+        """The backend for `inputs` and how it was chosen; NoBackendError if none can serve."""
         forced = self._forced_name()
         if forced is not None:
             b = self.get(forced)
@@ -98,25 +345,48 @@ class Dispatcher:
                     f"{self.op}: forced backend {forced!r} cannot serve these inputs: "
                     + "; ".join(why)
                 )
-            return b
+            return Decision(b, f"forced (Dispatcher.force or MLA_EXT_FORCE_{self.op.upper()})")
+        entry, how = self.table_entry(inputs)
+        if entry is not None:
+            known = {b.name: b for b in self._backends}
+            for name in entry.order:
+                b = known.get(name)
+                if b is not None and not b.not_supported_reasons(inputs):
+                    return Decision(b, "measured fastest usable backend: " + entry.describe(), entry)
+            how = f"{entry.describe()}; none of these can serve these inputs: stated order"
         all_reasons = {}
         for b in self._backends:
-            why = b.not_supported_reasons(inputs)
+            why = b.not_supported_reasons(inputs) + b.heuristic_reasons(inputs)
             if not why:
-                return b
+                return Decision(b, how)
             all_reasons[b.name] = why
         lines = [f"  {name}: {'; '.join(why)}" for name, why in all_reasons.items()]
         raise NoBackendError(f"{self.op}: no backend supports these inputs:\n" + "\n".join(lines))
 
+    def choose(self, inputs: Any) -> Backend:
+        return self.decide(inputs).backend
+
     def explain(self, inputs: Any) -> str:
-        """One line per backend: chosen / usable / why not."""
+        """One line per backend: chosen / usable / why not; with a table_key (or when
+        forced), a line saying how the choice was made."""
         try:
-            chosen = self.choose(inputs).name
+            d = self.decide(inputs)
+            chosen, how = d.backend.name, d.how
+            by_rules = d.entry is None and not self._forced_name()
         except NoBackendError:
-            chosen = None
+            chosen, by_rules = None, True
+            forced = self._forced_name()
+            if forced is not None:
+                how = f"forced {forced!r}, which cannot serve these inputs"
+            else:
+                how = self.table_entry(inputs)[1] if self.table_key is not None else "stated order"
         out = [f"{self.op}: " + (f"uses {chosen!r}" if chosen else "no usable backend")]
+        if self.table_key is not None or self._forced_name():
+            out.append(f"  choice: {how}")
         for b in self._backends:
             why = b.not_supported_reasons(inputs)
+            if by_rules:
+                why += b.heuristic_reasons(inputs)
             mark = "*" if b.name == chosen else (" " if not why else "x")
             out.append(f"  [{mark}] {b.name}" + (f": {'; '.join(why)}" if why else ""))
         return "\n".join(out)

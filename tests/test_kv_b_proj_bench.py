@@ -4,6 +4,7 @@ dispatch thresholds' crossovers from whatever rows exist; the real numbers come
 from a GPU run (benchmarks/gpu_check.sh)."""
 import csv
 import importlib.util
+import json
 import os
 import re
 
@@ -50,8 +51,53 @@ def test_bench_kv_b_proj_cpu_smoke(bench, tmp_path, capsys):
     assert all(r["status"] == "ok" and r["error"] == "" for r in rows)
     assert all(float(r["tflops"]) > 0 and float(r["ratio_vs_cublas_bf16"]) > 0 for r in rows)
     assert all(float(r["mean_rel_err"]) < bench.MAX_MEAN_REL for r in rows)
+    assert all(float(r["floor_us"]) > 0 and float(r["x_floor"]) > 0 for r in rows)  # physical limits, same run
+    assert {r["weight_format"] for r in rows} == {"dense", "fp8"}
     assert (tmp_path / "kv_b_proj_cpu.png").stat().st_size > 0
-    assert "crossover M" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "crossover M" in out and "physical limits measured in this run: copy" in out
+    table = json.load(open(tmp_path / "dispatch_table_cpu.json"))
+    assert table["device"] == "cpu" and "dense/bfloat16/x=bfloat16/K=512/N=144/M=4" in table["ops"]["kv_b_proj"]["entries"]
+
+
+def test_a_run_writes_the_dispatch_table_the_dispatcher_reads(bench, tmp_path, monkeypatch):
+    """The measured rows become mla_ext.dispatch table entries (correct rows only,
+    fastest first); pointed at that table, KvBProj names the entry in explain()."""
+    from mla_ext import dispatch as D
+
+    table = tmp_path / "tables" / "cpu.json"
+    D.write_table_entries(str(table), "cpu", "attention", {"k": {"order": ["torch"]}})  # another op's section
+    rc = bench.main(["--device", "cpu", "--N", "128", "--M", "4", "16", "--formats", "dense", "fp8_block",
+                     "fp8_per_tensor", "fp8_per_channel", "--out", str(tmp_path), "--table", str(table)])
+    assert rc == 0
+    data = json.load(open(table))
+    assert data["ops"]["attention"]["entries"] == {"k": {"order": ["torch"]}}
+    entries = data["ops"]["kv_b_proj"]["entries"]
+    key = "fp8_block/bfloat16/x=bfloat16/K=512/N=128/M=16"
+    assert entries[key]["order"][0] == "dequant_dense" and "dispatch:dequant_dense" not in entries[key]["us"]
+    fp8 = entries["fp8/bfloat16/x=bfloat16/K=512/N=128/M=4"]  # per-tensor and per-channel share the format
+    assert fp8["recipes"] == ["fp8_per_channel", "fp8_per_tensor"]
+    assert fp8["order"] == sorted(fp8["us"], key=fp8["us"].get)
+    assert "bench_kv_b_proj.py" in data["ops"]["kv_b_proj"]["source"]
+    monkeypatch.setenv(D.TABLES_ENV, str(table.parent))
+    D.clear_table_cache()
+    try:
+        layer = bench.KvBProj(bench.W.quantize("fp8_block", torch.randn(128, bench.K) * 0.05, torch.bfloat16))
+        text = layer.explain(16)
+        assert f"measured fastest usable backend: dispatch table {table} [kv_b_proj] '{key}'" in text
+        assert "uses 'dequant_dense'" in text
+    finally:
+        D.clear_table_cache()
+
+
+def test_side_by_side_lists_every_backend_fastest_first(bench):
+    rows = [dict(_row(4096, "fp8_block", b, 8192, us, ratio=r), x_floor=f, cublas_bf16_us=100.0)
+            for b, us, r, f in (("triton_fp8_block", 90.0, 1.1, 2.0), ("scaled_mm_block", 55.0, 1.8, 1.2),
+                                ("dequant_dense", 101.0, 0.99, 2.2), ("dispatch:scaled_mm_block", 56.0, 1.8, 1.2))]
+    lines = bench.side_by_side(rows)
+    assert lines == ["N=4096 M=8192 fp8_block: scaled_mm_block 55 us x1.80 (1.20x floor) | triton_fp8_block 90 us "
+                     "x1.10 (2.00x floor) | dequant_dense 101 us x0.99 (2.20x floor) | cuBLAS bf16 100.0 us"]
+    assert "every backend side by side" in "\n".join(bench.report(rows, is_gpu=True))
 
 
 def test_sweep_on_the_cpu_reports_every_threshold(bench, tmp_path, capsys):

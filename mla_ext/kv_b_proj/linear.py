@@ -1,8 +1,12 @@
 """`KvBProj`: the kv_b_proj layer, dispatching by (weight format, GPU capability, M).
 
-Backends, in priority order (the first one with no reasons serves the call):
+Backends, in the stated priority order (the first one with no reasons serves
+the call when no measurement decides, see below):
 - marlin_w8a16     Marlin fp8 weight-only GEMM (sm_80+), while M <= MARLIN_MAX_M
 - triton_w4a16     NVFP4 dequant-in-kernel GEMM (sm_80+), while M <= W4A16_MAX_M
+- scaled_mm_block  block fp8 W8A8 (DeepSeek 1x128 / 128x128 scales) through
+                   torch._scaled_mm's cuBLASLt blockwise scaling (sm_90 only, when
+                   this torch build's probe passes; scaled_mm_block.py)
 - triton_fp8_block block-scaled fp8 W8A8 GEMM (native fp8 dot: sm_89+)
 - scaled_mm_fp8    per-tensor / per-channel fp8 through torch._scaled_mm (sm_89+)
 - dequant_dense    dequantize once (cached per layer, per dtype and device),
@@ -10,6 +14,13 @@ Backends, in priority order (the first one with no reasons serves the call):
 Weight-only kernels only win while the GEMM is memory-bound (small M); at
 prefill M (thousands of rows, K=512) the GEMM is compute-bound and a
 dequantize-once 16-bit GEMM (or native fp8) is faster.
+
+The M thresholds are the stated order's heuristics (`Backend.heuristic`). On a
+device with a committed measurement table (mla_ext/dispatch_tables/<device>.json,
+written by `benchmarks/bench_kv_b_proj.py --sweep`), the measured-fastest usable
+backend of the bucket (weight format, dtypes, K, N, M rounded up to a power of
+two; the nearest measured M within 3 octaves) is chosen instead, and `explain()`
+names the table entry; elsewhere "no measurement for <device>: stated order".
 
 The dequantized cache costs N*K*2 bytes per layer and dtype (32 MiB for
 DeepSeek-V3 at TP1: 61 layers ~ 2 GiB); it is built on the first large-M call
@@ -25,14 +36,18 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from mla_ext.cache import checks
 from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
-from mla_ext.dispatch import Backend, Dispatcher
+from mla_ext.dispatch import Backend, Dispatcher, pow2_buckets
 from mla_ext.kv_b_proj import weights as W
 from mla_ext.kv_b_proj.input_dtype import FP8_DTYPES
+
+if TYPE_CHECKING:
+    from mla_ext.kv_b_proj.scaled_mm_block import BlockScaledWeight
 
 OP = "kv_b_proj"
 
@@ -96,10 +111,11 @@ def _gpu_reasons(name: str, inp: KvBProjInputs, min_cap: tuple[int, int], cpu_ok
     return []
 
 
-def _above(name: str, inp: KvBProjInputs, what: str, limit: int) -> list[str]:
-    """The M threshold is a performance choice: forcing the backend (tests,
-    benchmarks measuring the crossover) overrides it; capability limits stay."""
-    if inp.M > limit and not _forced(name):
+def _above(inp: KvBProjInputs, what: str, limit: int) -> list[str]:
+    """An M threshold is a performance rule of the stated order (a Backend.heuristic):
+    forcing the backend (tests, benchmarks measuring the crossover) or a measurement
+    table overrides it; capability limits stay."""
+    if inp.M > limit:
         return [f"M={inp.M} > {what}={limit} (compute-bound: dequantize + 16-bit GEMM wins)"]
     return []
 
@@ -131,7 +147,6 @@ def _marlin_reasons(inp: KvBProjInputs) -> list[str]:
     if why:
         return why
     why = _gpu_reasons("marlin_w8a16", inp, (8, 0), "the Marlin packed-layout CPU reference")
-    why += _above("marlin_w8a16", inp, "MARLIN_MAX_M", MARLIN_MAX_M)
     if inp.act_dtype != inp.layer.params_dtype:
         why.append(f"activation dtype must be {inp.layer.params_dtype} (packed for it), got {inp.act_dtype}")
     marlin, err = _marlin_module()
@@ -155,7 +170,6 @@ def _w4a16_reasons(inp: KvBProjInputs) -> list[str]:
     if why:
         return why
     why = _gpu_reasons("triton_w4a16", inp, (8, 0), "the Triton interpreter")
-    why += _above("triton_w4a16", inp, "W4A16_MAX_M", W4A16_MAX_M)
     if inp.act_dtype not in W.ACT_DTYPES:
         why.append(f"activation dtype must be bf16 or fp16 (W4A16), got {inp.act_dtype}")
     return why + _x_unit_stride(inp)
@@ -168,13 +182,68 @@ def _w4a16_run(inp: KvBProjInputs) -> torch.Tensor:
     return nvfp4_w4a16_matmul(inp.x, f.weight, f.weight_scale, f.weight_scale_2, out=inp.out)
 
 
-# -- triton_fp8_block --------------------------------------------------------
+# -- scaled_mm_block ---------------------------------------------------------
+
+def _smm_block_reasons(inp: KvBProjInputs) -> list[str]:
+    why = _format_reason(inp, W.Fp8BlockWeight)
+    if why:
+        return why
+    from mla_ext.kv_b_proj import scaled_mm_block as S
+
+    f = inp.layer.weight_format
+    if inp.device.type == "cpu":
+        # CPU torch._scaled_mm has no blockwise scaling (probed once: torch 2.14 refuses it).
+        probe = S.blockwise_scaled_mm_reasons(inp.device, inp.layer.params_dtype)
+        if probe:
+            why = ["needs a CUDA sm_90 device (input is on the CPU)"] + probe
+        elif not _forced("scaled_mm_block"):
+            why = ["input is on the CPU: CPU torch._scaled_mm runs there only when this backend is forced"]
+    else:
+        # Device type, architecture (sm_90 only), out dtype, then this torch build's probe.
+        why = S.blockwise_scaled_mm_reasons(inp.device, inp.layer.params_dtype)
+    why += S.shape_reasons(f.N, f.K)
+    if inp.act_dtype not in W.FLOAT_DTYPES + (torch.float8_e4m3fn,):
+        why.append(f"activation dtype must be bf16/fp16/fp32 or float8_e4m3fn, got {inp.act_dtype}")
+    return why + _x_unit_stride(inp)
+
+
+def _smm_block_run(inp: KvBProjInputs) -> torch.Tensor:
+    from mla_ext.kv_b_proj.scaled_mm_block import scaled_mm_block_linear
+
+    w = inp.layer.scaled_mm_block_weight(inp.device)
+    return scaled_mm_block_linear(inp.x, w, inp.layer.params_dtype, x_scale=inp.x_scale, out=inp.out)
+
+
+# -- the stated order's heuristics (M thresholds; a measurement overrides them) --
+
+def _marlin_heuristic(inp: KvBProjInputs) -> list[str]:
+    if _format_reason(inp, W.MarlinFp8Weight):
+        return []  # the format reason says it all
+    return _above(inp, "MARLIN_MAX_M", MARLIN_MAX_M)
+
+
+def _w4a16_heuristic(inp: KvBProjInputs) -> list[str]:
+    if _format_reason(inp, W.Nvfp4Weight):
+        return []
+    return _above(inp, "W4A16_MAX_M", W4A16_MAX_M)
+
 
 def _fp8_native_m(inp: KvBProjInputs) -> list[str]:
-    if inp.M < FP8_NATIVE_MIN_M and not _forced("triton_fp8_block") and not _forced("scaled_mm_fp8"):
+    if inp.M < FP8_NATIVE_MIN_M:
         return [f"M={inp.M} < FP8_NATIVE_MIN_M={FP8_NATIVE_MIN_M} (dequantize + 16-bit GEMM wins)"]
     return []
 
+
+def _fp8_block_heuristic(inp: KvBProjInputs) -> list[str]:
+    """The heuristic of the native block-fp8 backends (scaled_mm_block, triton_fp8_block)."""
+    return [] if _format_reason(inp, W.Fp8BlockWeight) else _fp8_native_m(inp)
+
+
+def _fp8_heuristic(inp: KvBProjInputs) -> list[str]:
+    return [] if _format_reason(inp, W.Fp8Weight) else _fp8_native_m(inp)
+
+
+# -- triton_fp8_block --------------------------------------------------------
 
 def _fp8_block_reasons(inp: KvBProjInputs) -> list[str]:
     why = _format_reason(inp, W.Fp8BlockWeight)
@@ -183,7 +252,7 @@ def _fp8_block_reasons(inp: KvBProjInputs) -> list[str]:
     why = _gpu_reasons("triton_fp8_block", inp, (8, 9), "the Triton interpreter")
     if inp.act_dtype not in W.FLOAT_DTYPES + (torch.float8_e4m3fn,):
         why.append(f"activation dtype must be bf16/fp16/fp32 or float8_e4m3fn, got {inp.act_dtype}")
-    return why + _fp8_native_m(inp) + _x_unit_stride(inp)
+    return why + _x_unit_stride(inp)
 
 
 def _fp8_block_run(inp: KvBProjInputs) -> torch.Tensor:
@@ -215,7 +284,7 @@ def _scaled_mm_reasons(inp: KvBProjInputs) -> list[str]:
         why.append(f"row-wise torch._scaled_mm outputs bf16 only; params_dtype is {inp.layer.params_dtype}")
     if inp.act_dtype not in W.FLOAT_DTYPES + (torch.float8_e4m3fn,):
         why.append(f"activation dtype must be bf16/fp16/fp32 or float8_e4m3fn, got {inp.act_dtype}")
-    return why + _fp8_native_m(inp) + _x_unit_stride(inp)
+    return why + _x_unit_stride(inp)
 
 
 def _scaled_mm_run(inp: KvBProjInputs) -> torch.Tensor:
@@ -265,13 +334,47 @@ def _into(y: torch.Tensor, inp: KvBProjInputs) -> torch.Tensor:
     return inp.out
 
 
+# -- dispatch by measurement ---------------------------------------------------
+
+_DEVICE_NAMES: dict[int, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    """The name a measurement table is filed under: the CUDA device name, else the type."""
+    if device.type != "cuda":
+        return device.type
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    name = _DEVICE_NAMES.get(idx)
+    if name is None:
+        name = _DEVICE_NAMES[idx] = torch.cuda.get_device_name(idx)
+    return name
+
+
+def _dtype_tag(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def table_bucket(fmt: str, params_dtype: torch.dtype, act_dtype: torch.dtype, K: int, N: int, M: int) -> str:
+    """The measurement-table key of one kv_b_proj call; M is rounded up to a power of two."""
+    return (f"{fmt}/{_dtype_tag(params_dtype)}/x={_dtype_tag(act_dtype)}/K={K}/N={N}/"
+            f"M={pow2_buckets(M, 0)[0]}")
+
+
+def _table_key(inp: KvBProjInputs) -> tuple[str, list[str]]:
+    layer = inp.layer
+    keys = [table_bucket(layer.weight_format.name, layer.params_dtype, inp.act_dtype, layer.K, layer.N, m)
+            for m in pow2_buckets(inp.M, 3)]
+    return _device_name(inp.device), keys
+
+
 DISPATCH = Dispatcher(OP, [
-    Backend("marlin_w8a16", _marlin_reasons, _marlin_run),
-    Backend("triton_w4a16", _w4a16_reasons, _w4a16_run),
-    Backend("triton_fp8_block", _fp8_block_reasons, _fp8_block_run),
-    Backend("scaled_mm_fp8", _scaled_mm_reasons, _scaled_mm_run),
+    Backend("marlin_w8a16", _marlin_reasons, _marlin_run, _marlin_heuristic),
+    Backend("triton_w4a16", _w4a16_reasons, _w4a16_run, _w4a16_heuristic),
+    Backend("scaled_mm_block", _smm_block_reasons, _smm_block_run, _fp8_block_heuristic),
+    Backend("triton_fp8_block", _fp8_block_reasons, _fp8_block_run, _fp8_block_heuristic),
+    Backend("scaled_mm_fp8", _scaled_mm_reasons, _scaled_mm_run, _fp8_heuristic),
     Backend("dequant_dense", _dense_reasons, _dense_run),
-])
+], table_key=_table_key)
 
 
 def _check_rows(M) -> None:
@@ -298,6 +401,7 @@ class KvBProj:
         self.params_dtype = weight_format.params_dtype
         self.N, self.K = weight_format.N, weight_format.K
         self._dense_cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._block_cache: dict[torch.device, object] = {}  # scaled_mm_block: BlockScaledWeight per device
         self._dense_lock = threading.Lock()
 
     @property
@@ -321,29 +425,61 @@ class KvBProj:
         first built inside a capture would be an unfilled tensor for every later
         eager call. Call `prepare()` (or run one eager forward) before capturing."""
         key = (dtype, torch.device(device))
-        w = self._dense_cache.get(key)
+
+        def build() -> torch.Tensor:
+            f = self.weight_format
+            w = f.weight if isinstance(f, W.DenseWeight) and f.weight.dtype == dtype else f.dequantize(dtype)
+            return w.to(device)
+
+        return self._cached(self._dense_cache, key, key[1], f"the dequantized {dtype} weight", build)
+
+    def _cached(self, cache: dict, key, device: torch.device, what: str, build):
+        """cache[key], built by `build()` under the layer's lock on first use; never first
+        built while a CUDA graph is being captured (it would be an unfilled tensor for
+        every later eager call)."""
+        w = cache.get(key)
         if w is not None:
             return w
-        if key[1].type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"kv_b_proj: the dequantized {dtype} weight for {key[1]} is first needed inside a "
-                "CUDA graph capture; call KvBProj.prepare() or run one eager forward before capturing"
+                f"kv_b_proj: {what} for {device} is first needed inside a CUDA graph capture; "
+                "call KvBProj.prepare() or run one eager forward before capturing"
             )
         with self._dense_lock:
-            w = self._dense_cache.get(key)
+            w = cache.get(key)
             if w is None:
-                f = self.weight_format
-                if isinstance(f, W.DenseWeight) and f.weight.dtype == dtype:
-                    w = f.weight
-                else:
-                    w = f.dequantize(dtype)
-                self._dense_cache[key] = w = w.to(device)
+                w = cache[key] = build()
         return w
+
+    def scaled_mm_block_weight(self, device) -> "BlockScaledWeight":
+        """Block-fp8 weights in cuBLASLt's blockwise layout (scaled_mm_block backend):
+        the fp8 weight (K zero-padded to a multiple of 512 where it is not one) and its
+        128 x 128 scales as [L4, N/128] with strides (1, L4); built once per device and
+        cached on this layer, never first inside a CUDA graph capture."""
+        from mla_ext.kv_b_proj import scaled_mm_block as S
+
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        f = self.weight_format
+        if not isinstance(f, W.Fp8BlockWeight):
+            raise ValueError(f"scaled_mm_block_weight: needs fp8_block weights, this layer holds {f.name}")
+        return self._cached(self._block_cache, device, device, "the scaled_mm_block weight layout",
+                            lambda: S.prepare_weight(f.weight.to(device), f.weight_scale_inv.to(device)))
 
     def prepare(self, device=None, dtype: torch.dtype | None = None) -> "KvBProj":
         """Builds what the forward path would otherwise build on first use (the
-        dequantized weight of the dense fallback), e.g. before a CUDA graph capture."""
-        self.dense_weight(dtype or self.params_dtype, torch.device(device or self.device))
+        dequantized weight of the dense fallback; for block-fp8 weights on sm_90 also
+        the scaled_mm_block capability probe and weight layout), e.g. before a CUDA
+        graph capture."""
+        device = torch.device(device or self.device)
+        self.dense_weight(dtype or self.params_dtype, device)
+        if isinstance(self.weight_format, W.Fp8BlockWeight) and device.type == "cuda":
+            from mla_ext.kv_b_proj import scaled_mm_block as S
+
+            if (not S.shape_reasons(self.N, self.K)
+                    and not S.blockwise_scaled_mm_reasons(device, self.params_dtype)):
+                self.scaled_mm_block_weight(device)
         return self
 
     def _inputs(self, M: int, device, act_dtype, x=None, x_scale=None, out=None) -> KvBProjInputs:
@@ -414,7 +550,7 @@ _NEEDS = {
     "triton_w4a16": (8, 0),
     "triton_fp8_block": (8, 9),
     "scaled_mm_fp8": (8, 9),
-}
+}  # scaled_mm_block: sm_90 exactly, and this torch build's probe (below)
 
 
 def backend_report() -> list[tuple[str, str, list[str]]]:
@@ -433,6 +569,13 @@ def backend_report() -> list[tuple[str, str, list[str]]]:
             mod, err = _marlin_module()
             if mod is None:
                 why.append(err)
+        if b.name == "scaled_mm_block":
+            from mla_ext.kv_b_proj import scaled_mm_block as S
+
+            if cap is None:
+                why = ["no CUDA device visible"] + S.blockwise_scaled_mm_reasons("cpu")
+            else:
+                why = S.blockwise_scaled_mm_reasons(torch.device("cuda"), torch.bfloat16)
         if b.name == "scaled_mm_fp8" and not hasattr(torch, "_scaled_mm"):
             why.append("torch._scaled_mm is missing from this torch build")
         elif b.name == "scaled_mm_fp8" and cap is None:
