@@ -131,6 +131,8 @@ setup(
     version="0.1.0",
     description="MLA prefill-with-context kernels (paged latent cache, kv_b_proj, chunked attention)",
     packages=find_packages(include=["mla_ext", "mla_ext.*"]),
+    # Measured dispatch tables (one JSON per device) travel with the package.
+    package_data={"mla_ext": ["dispatch_tables/*.json", "dispatch_tables/README.md"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "numpy"],
     ext_modules=_extensions(),
