@@ -111,7 +111,7 @@ def assert_linear(y: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor, dense: 
 def forward_case(kind: str = "dense", *, m: int = 5, backend: str | None = None, mutate=None, x_kw=None,
                  expect: str = "accept"):
     def build(g):
-        fmt, w_ref = make_format(kind)
+        fmt, w_ref = make_format(kind, g.put(_w(), "w"))
         layer = linear.KvBProj(fmt)
         a = dict(x=g.put(_x(m), "x", **(x_kw or {})), x_scale=None, out=None)
         if mutate is not None:
@@ -243,7 +243,7 @@ def assert_dequant(got: torch.Tensor, want: torch.Tensor, marlin: bool, what: st
 
 def _roundtrip(kind: str):
     def build(g):
-        fmt, want = make_format(kind)
+        fmt, want = make_format(kind, g.put(_w(), "w"))  # quantized from a guarded weight
 
         def check(_):
             assert_dequant(fmt.dequantize_fp32(), want, kind.startswith("marlin"), "dequantize_fp32")
@@ -860,3 +860,11 @@ def _fp8_block_layout(g):
 
 
 add(BW, "transposed_scales", _fp8_block_layout, "accept")
+
+
+TB = f"{LIN}:table_bucket"
+add(TB, "rounded_to_pow2", lambda g: Call(
+    lambda: linear.table_bucket("fp8_block", BF16, E4M3, 512, 4096, 100),
+    lambda key: None if key == "fp8_block/bfloat16/x=float8_e4m3fn/K=512/N=4096/M=128" else _fail(key)), "accept")
+ctor(TB, "M_str", lambda: linear.table_bucket("fp8_block", BF16, BF16, 512, 4096, "100"), args=("M",))
+ctor(TB, "M_negative", lambda: linear.table_bucket("fp8_block", BF16, BF16, 512, 4096, -1), args=("M",))
