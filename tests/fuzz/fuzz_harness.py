@@ -408,7 +408,8 @@ class Result:
         return self.outcome in OK
 
     def line(self) -> str:
-        return f"{self.outcome:<11} {self.case.id}: {self.detail}".rstrip(": ")
+        detail = " ".join(self.detail.split())  # one line per case (schema errors span several)
+        return f"{self.outcome:<11} {self.case.id}: {detail}".rstrip(": ")
 
 
 @dataclass
