@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import os
 import pickle
 import resource
@@ -372,6 +373,7 @@ def _address_space() -> int:
 
 def _child(case: Case, write_fd: int, out_fd: int) -> None:
     try:
+        gc.disable()  # short-lived: a collection would copy every page of the parent's objects
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
