@@ -16,20 +16,7 @@ from hypothesis import given, settings, strategies as st
 from mla_ext.attention import ATTENTION, varlen_attention
 from mla_ext.attention.reference import varlen_attention_ref
 from mla_ext.attention.triton_attention import varlen_attention_triton
-
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
-
-
-def rel_frob(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def cu(lens, device="cpu"):
-    out = [0]
-    for x in lens:
-        out.append(out[-1] + x)
-    return torch.tensor(out, dtype=torch.int32, device=device)
+from test_attention_backends import TOL, cu, rel_frob  # noqa: F401 (shared helpers)
 
 
 def make_qkv(q_lens, k_lens, n, dqk, dv, dtype, device="cpu", seed=0, strided=False):
@@ -220,17 +207,20 @@ _AOT_SCRIPT = r"""
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mla_ext.attention.triton_attention import _attn_fwd_kernel, _launch_config
+from mla_ext.attention.triton_attention import _attn_fwd_kernel, _launch_config, _pad, qk_segments
 for dt, tdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-    sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "o_ptr": f"*{dt}", "lse_ptr": "*fp32",
-           "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "qk_scale_log2": "fp32"}
-    for n in ["q_st", "q_sh", "k_st", "k_sh", "v_st", "v_sh", "o_st", "o_sh", "lse_sh"]:
+    sig = {"q_ptr": f"*{dt}", "k1_ptr": f"*{dt}", "k2_ptr": f"*{dt}", "v_ptr": f"*{dt}", "o_ptr": f"*{dt}",
+           "lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "qk_scale_log2": "fp32"}
+    for n in ["q_st", "q_sh", "k1_st", "k1_sh", "k2_st", "k2_sh", "v_st", "v_sh", "o_st", "o_sh", "lse_sh"]:
         sig[n] = "i64"
-    sig["DQK"] = sig["DV"] = "i32"
-    for dqk, dv in ((256, 128), (256, 256)):
-        bm, bn, warps, stages = _launch_config(dqk, dv, tdt)
+    sig["D1"] = sig["D2"] = sig["DV"] = "i32"
+    # MLA (192 = 128 + 64 split, one key tensor or k_nope/k_rope), 256 whole, V 256.
+    for dqk, dv in ((192, 128), (256, 128), (256, 256)):
+        _, b1, _, b2 = qk_segments(dqk)
+        bv = _pad(dv)
+        bm, bn, warps, stages = _launch_config(b1 + b2, bv, tdt)
         const = dict(CAUSAL=True, LOWP_DOT=dt != "fp32", IEEE_FP32=dt == "fp32", BLOCK_M=bm, BLOCK_N=bn,
-                     BLOCK_DQK=dqk, BLOCK_DV=dv)
+                     BLOCK_D1=b1, BLOCK_D2=b2, BLOCK_DV=bv)
         s = dict(sig, **{k: "constexpr" for k in const})
         for cc in (86, 90):
             k = triton.compile(ASTSource(fn=_attn_fwd_kernel, signature=s, constexprs=const),

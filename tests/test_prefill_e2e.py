@@ -204,3 +204,51 @@ def test_batch_metadata_is_shared_across_layers():
     firsts = [meta.chunk_tensors(c, "cpu") for c in plan.chunks]
     assert all(meta.chunk_tensors(c, "cpu") is t for c, t in zip(plan.chunks, firsts))
     assert len(meta._chunk_t) == plan.num_chunks
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "flex_attention"])
+def test_attention_takes_split_keys_and_reuses_one_scratch(backend):
+    """The layer hands varlen_attention the keys split (k_nope, k_pe): Triton (the
+    default) and the torch backend never build [M, N, P+R]; a backend that
+    needs them (flex_attention) assembles them in the layer's one scratch per
+    device, sized once for workspace_rows and reused by every chunk and call."""
+    from mla_ext.attention import ATTENTION
+    from mla_ext.attention.api import AttentionInputs
+
+    batch = Batch(ctx_lens=[70, 0, 5, 33], q_lens=[3, 2, 1, 4], seed=11)
+    c = torch.zeros(2, dtype=torch.int32)
+    why = ATTENTION.get(backend).not_supported_reasons(AttentionInputs(batch.q, batch.q, batch.q, c, c, 0, 0, 1.0, True))
+    if why:
+        pytest.skip(f"{backend}: " + "; ".join(why))
+    w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L, generator=torch.Generator().manual_seed(2)) / 32
+    layer = MLAPrefill(TINY, DS, make_weight("dense", w), layer=1, workspace_rows_override=32, max_num_seqs=8)
+    k_scale = torch.tensor([1.0])
+    cache = batch.fill_cache(layer, k_scale)
+    meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens)
+    assert len(meta.plan(layer.workspace_rows, layer.chunk_alignment).chunks) >= 3
+    args = (batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta)
+    with ATTENTION.force(backend):
+        out = layer(*args)
+        again = layer(*args)
+    assert torch.equal(out, again)
+    kv_c, k_pe = batch.cached_rows(layer, cache, k_scale)
+    ref = mla_prefill_reference(
+        batch.q, batch.kv_c_new, batch.k_pe_new, kv_c, k_pe, batch.q_lens,
+        layer.kv_b_proj.weight_format.dequantize_fp32(), TINY.P, TINY.V, layer.softmax_scale,
+    )
+    assert rel_fro(out, ref) <= 1e-2
+    scratch = layer._attn_scratch[torch.device("cpu")]
+    if backend == "flex_attention":
+        assert scratch.allocations == 1  # new tokens + every chunk of both calls: one buffer
+        assert scratch.nbytes() == 32 * TINY.num_heads * (TINY.P + TINY.R) * 2
+    else:
+        assert scratch.nbytes() == 0
+    # Layers may share one scratch (forward's attention_scratch=), as they share a workspace.
+    from mla_ext.attention import AttentionScratch
+
+    shared = AttentionScratch(min_rows=32)
+    with ATTENTION.force(backend):
+        assert torch.equal(layer(*args, attention_scratch=shared), out)
+    assert shared.allocations == (1 if backend == "flex_attention" else 0)
+    with pytest.raises(ValueError, match="attention_scratch: expected an mla_ext.attention.AttentionScratch"):
+        layer(*args, attention_scratch=torch.empty(4))

@@ -7,3 +7,4 @@ from mla_ext.attention.api import (  # noqa: F401
     merge_attn_states,
     varlen_attention,
 )
+from mla_ext.attention.scratch import AttentionScratch  # noqa: F401

@@ -5,8 +5,24 @@ the expected value), then go through mla_ext.dispatch, so every backend can
 say why it cannot serve an input and tests/benchmarks can force one:
 
 - ``varlen_attention``: "triton" (CUDA tensors, or CPU tensors under
-  TRITON_INTERPRET=1), then "torch" (reference.py: per-request fp32 softmax,
-  correct anywhere, slow).
+  TRITON_INTERPRET=1; reads split MLA keys as they are), then PyTorch's own
+  kernels (torch_backends.py): "flex_attention" (CUDA: compiled per shape
+  bucket; CPU: eager, for small packed batches) and "varlen_attn"
+  (FlashAttention-2, CUDA bf16/fp16), then "torch" (reference.py:
+  per-request fp32 softmax, correct anywhere, slow). Torch SDPA is not a
+  backend (no varlen layout, no LSE: see torch_backends.py).
+
+  Stated order: Triton stays first, as before these backends existed (no
+  GPU measurement says otherwise yet); the new ones come before the
+  reference, so they serve what Triton refuses (e.g. no triton: FA2 for
+  bf16/fp16) and whatever a caller forces; on the CPU, where eager flex is
+  measured slower than the reference, a heuristic keeps the old choice. Measured
+  order: ATTENTION dispatches by the device's table in
+  mla_ext/dispatch_tables (mla_ext.dispatch) where it has an entry for the
+  call's bucket (`_table_key`: dtype, heads, head dims, mask, split keys,
+  total query and key rows rounded up to powers of two, nearest measured
+  bucket within two octaves); benchmarks/bench_attention.py writes those
+  entries.
 - ``merge_attn_states``: "cuda" (C++/CUDA kernel), "cpu" (C++/OpenMP kernel),
   "triton", then "torch" (reference.py).
 
@@ -26,9 +42,10 @@ from dataclasses import dataclass
 import torch
 
 from mla_ext import _ext
-from mla_ext.attention import reference
+from mla_ext.attention import reference, torch_backends
+from mla_ext.attention.scratch import AttentionScratch
 from mla_ext.cache.checks import check_no_internal_overlap, check_no_overlap
-from mla_ext.dispatch import Backend, Dispatcher
+from mla_ext.dispatch import Backend, Dispatcher, pow2_buckets
 
 O_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -97,6 +114,30 @@ class AttentionInputs:
     max_seqlen_k: int
     softmax_scale: float
     causal: bool
+    # Split MLA keys: k is k_nope [Tk, N, P] and k_rope [Tk, N, R] (a view,
+    # head stride 0 when shared by the heads); None: k holds the whole keys.
+    k_rope: torch.Tensor | None = None
+    scratch: AttentionScratch | None = None
+
+
+def _take(x: AttentionInputs, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A buffer of q's dtype and device: from the caller's scratch (reused), else new."""
+    if x.scratch is not None:
+        return x.scratch.take(name, shape, x.q.dtype, x.q.device)
+    return torch.empty(shape, dtype=x.q.dtype, device=x.q.device)
+
+
+def _assembled_keys(x: AttentionInputs) -> torch.Tensor:
+    """The keys [Tk, N, P+R], for backends that take one key tensor. With split
+    keys they are written into the scratch's "keys" buffer (no per-call
+    allocation when the caller keeps a scratch)."""
+    if x.k_rope is None:
+        return x.k
+    tk, n, p = x.k.shape
+    k = _take(x, "keys", (tk, n, p + x.k_rope.shape[-1]))
+    k[..., :p].copy_(x.k)
+    k[..., p:].copy_(x.k_rope)
+    return k
 
 
 def _attn_triton_reasons(x: AttentionInputs) -> list[str]:
@@ -108,31 +149,65 @@ def _attn_triton_reasons(x: AttentionInputs) -> list[str]:
 
 
 def _attn_triton_run(x: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    from mla_ext.attention.triton_attention import varlen_attention_triton
+    from mla_ext.attention.triton_attention import split_keys_pad_less, varlen_attention_triton
 
     tq, n, _ = x.q.shape
+    k, k_rope = x.k, x.k_rope
+    if k_rope is not None and not split_keys_pad_less(k.shape[-1], k_rope.shape[-1]):
+        k, k_rope = _assembled_keys(x), None  # e.g. P 192 + R 64: one 256 tile pads less
     # Rows outside every request (cu_seqlens_q[-1] < Tq) are defined as empty.
     out = torch.zeros(tq, n, x.v.shape[-1], dtype=x.q.dtype, device=x.q.device)
     lse = torch.full((n, tq), float("-inf"), dtype=torch.float32, device=x.q.device)
     varlen_attention_triton(
-        x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, x.max_seqlen_q,
-        x.softmax_scale, x.causal, out, lse,
+        x.q, k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, min(x.max_seqlen_q, tq),
+        x.softmax_scale, x.causal, out, lse, k_rope=k_rope,
     )
     return out, lse
 
 
+def _attn_flex_run(x: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch_backends.flex_run(x, lambda: _assembled_keys(x))
+
+
+def _attn_varlen_run(x: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch_backends.varlen_run(x, lambda: _assembled_keys(x), lambda name, shape: _take(x, name, shape))
+
+
 def _attn_torch_run(x: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.varlen_attention_ref(
-        x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, x.softmax_scale, x.causal
+        x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, x.softmax_scale, x.causal, k_rope=x.k_rope
     )
+
+
+def _device_name(device: torch.device) -> str:
+    """The name a dispatch table is filed under: the CUDA device's name (torch keeps
+    the device properties, so this is cheap per call), else the device type."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _table_key(x: AttentionInputs) -> tuple[str, list[str]]:
+    """(device name, buckets nearest first) of one call, for the dispatch table:
+    `<dtype>/N=<heads>/qk=<Dqk>/v=<Dv>/<causal|full>/k=<split|whole>/Tq=<2^i>/Tk=<2^j>`,
+    Tq / Tk the total query / key rows rounded up to a power of two; then the
+    buckets up to two octaves away in either, by total distance."""
+    tq, n, dqk = x.q.shape
+    base = (f"{str(x.q.dtype).replace('torch.', '')}/N={n}/qk={dqk}/v={x.v.shape[-1]}/"
+            f"{'causal' if x.causal else 'full'}/k={'whole' if x.k_rope is None else 'split'}")
+    qs, ks = pow2_buckets(max(tq, 1), 2), pow2_buckets(max(x.k.shape[0], 1), 2)
+    pairs = sorted(((i, j) for i in range(len(qs)) for j in range(len(ks))),
+                   key=lambda ij: ((ij[0] + 1) // 2 + (ij[1] + 1) // 2, ij[1], ij[0]))
+    return _device_name(x.q.device), [f"{base}/Tq={qs[i]}/Tk={ks[j]}" for i, j in pairs]
 
 
 ATTENTION = Dispatcher(
     "attention",
     [
         Backend("triton", _attn_triton_reasons, _attn_triton_run),
+        Backend("flex_attention", torch_backends.flex_reasons, _attn_flex_run, torch_backends.flex_heuristic),
+        Backend("varlen_attn", torch_backends.varlen_reasons, _attn_varlen_run),
         Backend("torch", lambda x: [], _attn_torch_run),
     ],
+    table_key=_table_key,
 )
 
 
@@ -148,7 +223,13 @@ def _validate_attention(x: AttentionInputs) -> None:
                f"{name}: the head dim must be contiguous (stride 1), got stride {t.stride(-1)}")
     _check(k.shape[1] == q.shape[1] and v.shape[1] == q.shape[1],
            f"k, v: expected {q.shape[1]} heads (as q), got {k.shape[1]} and {v.shape[1]}")
-    _check(k.shape[2] == q.shape[2], f"k: expected head dim {q.shape[2]} (as q), got {k.shape[2]}")
+    if x.k_rope is None:
+        _check(k.shape[2] == q.shape[2], f"k: expected head dim {q.shape[2]} (as q), got {k.shape[2]}")
+    else:
+        r = x.k_rope
+        _check(k.shape[2] + r.shape[2] == q.shape[2],
+               f"k, k_rope: expected head dims summing to {q.shape[2]} (q's), got "
+               f"{k.shape[2]} + {r.shape[2]}")
     _check(v.shape[0] == k.shape[0], f"v: expected {k.shape[0]} tokens (as k), got {v.shape[0]}")
     for name, cu in (("cu_seqlens_q", x.cu_seqlens_q), ("cu_seqlens_k", x.cu_seqlens_k)):
         _check(isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 1,
@@ -176,6 +257,32 @@ def _validate_attention(x: AttentionInputs) -> None:
                    f"({int(lens.max()) if lens.numel() else 0}), got {mx}")
 
 
+def _scratch(value) -> AttentionScratch | None:
+    _check(value is None or isinstance(value, AttentionScratch),
+           f"scratch: expected an mla_ext.attention.scratch.AttentionScratch or None, got {type(value).__name__}")
+    return value
+
+
+def _rope_view(k_rope, q, k) -> torch.Tensor | None:
+    """k_rope checked and viewed as [Tk, N, R] (head stride 0 when shared)."""
+    if k_rope is None:
+        return None
+    _check(isinstance(k_rope, torch.Tensor) and k_rope.dim() in (2, 3),
+           "k_rope: expected a tensor [Tk, R] or [Tk, 1 or num_heads, R], got "
+           + (f"{k_rope.dim()}-D" if isinstance(k_rope, torch.Tensor) else type(k_rope).__name__))
+    if not (isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(k, torch.Tensor) and k.dim() == 3):
+        return k_rope  # q / k themselves are rejected by _validate_attention
+    _check(k_rope.dtype == q.dtype, f"k_rope: expected dtype {q.dtype} (as q), got {k_rope.dtype}")
+    _check(k_rope.device == q.device, f"k_rope: expected device {q.device} (as q), got {k_rope.device}")
+    _check(k_rope.shape[0] == k.shape[0], f"k_rope: expected {k.shape[0]} tokens (as k), got {k_rope.shape[0]}")
+    n = q.shape[1]
+    r = k_rope.unsqueeze(1) if k_rope.dim() == 2 else k_rope
+    _check(r.shape[1] in (1, n), f"k_rope: expected 1 or {n} heads (as q), got {r.shape[1]}")
+    _check(r.shape[-1] <= 1 or r.stride(-1) == 1,
+           f"k_rope: the head dim must be contiguous (stride 1), got stride {r.stride(-1)}")
+    return r.expand(r.shape[0], n, r.shape[2])
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -187,6 +294,9 @@ def varlen_attention(
     softmax_scale: float,
     causal: bool,
     return_lse: bool = True,
+    *,
+    k_rope: torch.Tensor | None = None,
+    scratch: AttentionScratch | None = None,
 ):
     """Variable-length multi-head attention with LSE, for MLA shapes.
 
@@ -200,13 +310,24 @@ def varlen_attention(
     Rows without a visible key (k_len 0, or fully masked) get o = 0,
     lse = -inf; query rows past cu_seqlens_q[-1] too.
 
+    Split MLA keys: with `k_rope` ([Tk, R] shared by the heads, or
+    [Tk, 1 or N, R]; q.dtype, head dim contiguous), `k` is k_nope [Tk, N, P]
+    (any token/head strides, e.g. a view of the kv_b_proj output) and the keys
+    are cat(k_nope, k_rope) with P + R = Dqk. The Triton and torch backends
+    never build them; flex_attention and varlen_attn assemble them into
+    `scratch` ("keys"; varlen_attn also pads V there, "v_padded") when one is
+    given (an `AttentionScratch` kept across calls: no per-call allocation),
+    else into a new tensor.
+
     Returns (o [Tq, N, Dv] in q.dtype, lse [N, Tq] float32, natural log), or
     just o when return_lse is False. max_seqlen_q/k must bound the request
     lengths (checked on CPU; on CUDA it sizes the grid without a sync).
     """
     x = AttentionInputs(q, k, v, cu_seqlens_q, cu_seqlens_k, _count(max_seqlen_q, "max_seqlen_q"),
                         _count(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale),
-                        _flag(causal, "causal"))
+                        _flag(causal, "causal"), _rope_view(k_rope, q, k),
+                        _scratch(scratch))
+    return_lse = _flag(return_lse, "return_lse")
     _validate_attention(x)
     o, lse = ATTENTION(x)
     return (o, lse) if return_lse else o
@@ -341,15 +462,21 @@ def backend_report(device: str | torch.device | None = None) -> list[tuple[str, 
     """[(op, backend, reasons)] for probe inputs on `device` (default: CUDA if
     visible, else CPU), in the form every stage's report takes for the `info` CLI.
     An empty reasons list means the backend can serve the op there."""
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu"
-    )
+    try:
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu"
+        )
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
     q = torch.empty(1, 1, 8, device=dev, dtype=torch.float32)
     cu = torch.zeros(2, dtype=torch.int32, device=dev)
     o = torch.empty(1, 1, 8, device=dev)
     lse = torch.empty(1, 1, device=dev)
+    # The attention probe has the MLA head dims (192 / 128), 16-bit on CUDA.
+    qa = torch.empty(1, 1, 192, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    va = qa.new_empty(1, 1, 128)
     probes = (
-        ("attention", ATTENTION, AttentionInputs(q, q, q, cu, cu, 0, 0, 1.0, False)),
+        ("attention", ATTENTION, AttentionInputs(qa, qa, va, cu, cu, 0, 0, 1.0, False)),
         ("merge", MERGE, MergeInputs(o, lse, o, lse, o, lse)),
     )
     return [(op, b.name, b.not_supported_reasons(inp)) for op, disp, inp in probes for b in disp.backends]

@@ -30,12 +30,19 @@ def varlen_attention_ref(
     softmax_scale: float,
     causal: bool,
     compute_dtype: torch.dtype = torch.float32,
+    *,
+    k_rope: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention with LSE. Returns (o [Tq,N,Dv] in q.dtype, lse [N,Tq] fp32).
 
     q [Tq,N,Dqk], k [Tk,N,Dqk], v [Tk,N,Dv]; request b owns query rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b+1].
     Query rows outside every request are left at o = 0, lse = -inf.
+
+    Split keys (MLA): with `k_rope` ([Tk, R], or [Tk, 1 or N, R]) `k` is
+    k_nope [Tk, N, P] and the keys are cat(k_nope, k_rope broadcast over heads),
+    P + R = Dqk. The scores are then q[..., :P]·k_nope + q[..., P:]·k_rope, per
+    request: the full keys are never built.
     """
     tq, n, _ = q.shape
     dv = v.shape[-1]
@@ -49,9 +56,18 @@ def varlen_attention_ref(
         if ql == 0 or kl == 0:
             continue
         qb = q[q0:q1].to(compute_dtype).transpose(0, 1)  # [N, ql, Dqk]
-        kb = k[k0:k1].to(compute_dtype).transpose(0, 1)  # [N, kl, Dqk]
+        kb = k[k0:k1].to(compute_dtype).transpose(0, 1)  # [N, kl, Dqk] (or P)
         vb = v[k0:k1].to(compute_dtype).transpose(0, 1)  # [N, kl, Dv]
-        s = torch.matmul(qb, kb.transpose(1, 2)) * softmax_scale  # [N, ql, kl]
+        if k_rope is None:
+            s = torch.matmul(qb, kb.transpose(1, 2))  # [N, ql, kl]
+        else:
+            p = kb.shape[-1]
+            rb = k_rope[k0:k1]
+            if rb.dim() == 3 and rb.stride(1) == 0:
+                rb = rb[:, :1]  # one rope row shared by the heads (an expanded view)
+            rb = rb.to(compute_dtype).reshape(kl, -1, rb.shape[-1]).transpose(0, 1)  # [1 or N, kl, R]
+            s = torch.matmul(qb[..., :p], kb.transpose(1, 2)) + torch.matmul(qb[..., p:], rb.transpose(1, 2))
+        s = s * softmax_scale
         if causal:
             i = torch.arange(ql, device=q.device).unsqueeze(1)
             j = torch.arange(kl, device=q.device).unsqueeze(0)

@@ -1,8 +1,13 @@
 """Varlen flash attention with LSE for MLA shapes, as a Triton kernel.
 
-QK head dim (P+R, e.g. 192) and V head dim (e.g. 128) differ and need not be
-powers of two: both are padded to the next power of two with masked loads
-(padding lanes load 0, so they add nothing to q·k and are never stored).
+The QK head dim is read in up to two segments, each from its own key tensor:
+q[..., :D1]·k1 + q[..., D1:]·k2. That serves MLA's split keys directly
+(k1 = k_nope [Tk, N, P], k2 = k_rope [Tk, R] with head stride 0: the keys
+[Tk, N, P+R] are never built), and it is also how one key tensor of a width
+that is not a power of two is read: 192 = 128 + 64, so no lane is padding
+(one padded 256-wide tile would waste a third of the QK work). Each segment
+and the V head dim are padded to a power of two (>= 16) with masked loads
+(padding lanes load 0, add nothing to q·k and are never stored).
 
 One program computes BLOCK_M query rows of one request and one head, with an
 online softmax over BLOCK_N-key tiles in base 2 (scores pre-multiplied by
@@ -31,14 +36,15 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k1_ptr, k2_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
     qk_scale_log2,
-    q_st, q_sh, k_st, k_sh, v_st, v_sh, o_st, o_sh, lse_sh,
-    DQK, DV,
+    q_st, q_sh, k1_st, k1_sh, k2_st, k2_sh, v_st, v_sh, o_st, o_sh, lse_sh,
+    D1, D2, DV,
     CAUSAL: tl.constexpr, LOWP_DOT: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    # BLOCK_D2 == 0: one QK segment (k2_ptr is not read).
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
@@ -52,18 +58,22 @@ def _attn_fwd_kernel(
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_d1 = tl.arange(0, BLOCK_D1)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_mask = offs_m < q_len
-    dqk_mask = offs_dqk < DQK
+    d1_mask = offs_d1 < D1
     dv_mask = offs_dv < DV
 
-    q = tl.load(
-        q_ptr + (q0 + offs_m)[:, None] * q_st + h * q_sh + offs_dqk[None, :],
-        mask=m_mask[:, None] & dqk_mask[None, :], other=0.0,
-    )
+    q_rows = q_ptr + (q0 + offs_m)[:, None] * q_st + h * q_sh
+    q1 = tl.load(q_rows + offs_d1[None, :], mask=m_mask[:, None] & d1_mask[None, :], other=0.0)
     if not LOWP_DOT:
-        q = q.to(tl.float32)
+        q1 = q1.to(tl.float32)
+    if BLOCK_D2 > 0:
+        offs_d2 = tl.arange(0, BLOCK_D2)
+        d2_mask = offs_d2 < D2
+        q2 = tl.load(q_rows + D1 + offs_d2[None, :], mask=m_mask[:, None] & d2_mask[None, :], other=0.0)
+        if not LOWP_DOT:
+            q2 = q2.to(tl.float32)
 
     # Bottom-right causal: row i sees keys j <= i + (k_len - q_len).
     diag = k_len - q_len
@@ -78,16 +88,27 @@ def _attn_fwd_kernel(
     for start_n in range(0, end_n, BLOCK_N):
         cols = start_n + offs_n
         n_mask = cols < k_len
-        k = tl.load(
-            k_ptr + (k0 + cols)[None, :] * k_st + h * k_sh + offs_dqk[:, None],
-            mask=n_mask[None, :] & dqk_mask[:, None], other=0.0,
-        )  # [BLOCK_DQK, BLOCK_N]
+        k1 = tl.load(
+            k1_ptr + (k0 + cols)[None, :] * k1_st + h * k1_sh + offs_d1[:, None],
+            mask=n_mask[None, :] & d1_mask[:, None], other=0.0,
+        )  # [BLOCK_D1, BLOCK_N]
         if not LOWP_DOT:
-            k = k.to(tl.float32)
+            k1 = k1.to(tl.float32)
         if IEEE_FP32:
-            s = tl.dot(q, k, input_precision="ieee")
+            s = tl.dot(q1, k1, input_precision="ieee")
         else:
-            s = tl.dot(q, k)
+            s = tl.dot(q1, k1)
+        if BLOCK_D2 > 0:
+            k2 = tl.load(
+                k2_ptr + (k0 + cols)[None, :] * k2_st + h * k2_sh + offs_d2[:, None],
+                mask=n_mask[None, :] & d2_mask[:, None], other=0.0,
+            )  # [BLOCK_D2, BLOCK_N]
+            if not LOWP_DOT:
+                k2 = k2.to(tl.float32)
+            if IEEE_FP32:
+                s += tl.dot(q2, k2, input_precision="ieee")
+            else:
+                s += tl.dot(q2, k2)
         s = s * qk_scale_log2
         valid = n_mask[None, :]
         if CAUSAL:
@@ -129,21 +150,57 @@ def _attn_fwd_kernel(
 
 
 def _launch_config(dqk_pad: int, dv_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages).
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); dqk_pad = BLOCK_D1 + BLOCK_D2.
 
     Interpreter cost is per program, so it gets big tiles. On a GPU the tiles
-    must fit shared memory on sm_86 (99 KB per block) as well as sm_90; sizes
-    measured by compiling ahead of time for both targets: 16-bit 64x64 with
-    Dqk 256 / Dv 128 needs 64 KB; fp32 needs 32x32 tiles and one stage
-    (64-70 KB; 64x64 fp32 would need 272 KB and fail to launch).
+    must fit shared memory on sm_86 (99 KB per block) as well as sm_90, and
+    should not spill. Measured by compiling ahead of time (triton 3.8, ptxas
+    -v for sm_90a and sm_86; tests/test_attention_varlen.py checks the shared
+    memory): 16-bit 64x64 tiles with QK 128+64 / V 128 need 40-48 KB and
+    spill ~1 KB per thread on 4 warps, nothing on 8 warps (QK 256 / V 128:
+    64 KB, no spills on 8 warps); V 256 takes 64x32 tiles (40-53 KB). fp32
+    needs 32x32 tiles and one stage (45 KB for 128+64; it spills either way,
+    1.7 KB per thread split vs 13 KB for one 256-wide tile).
     """
     if _INTERPRET:
         return 64, 64, 4, 1
     if dtype == torch.float32:
         return 32, 32, 4, 1
-    if max(dqk_pad, dv_pad) >= 256 and dv_pad >= 256:
+    if dv_pad >= 256:
         return 64, 32, 8, 2
-    return 64, 64, 4, 2
+    return 64, 64, 8, 2
+
+
+def _pad(d: int) -> int:
+    """A segment's tile width: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(d)) if d > 0 else 0
+
+
+def qk_segments(dqk: int, split_at: int | None = None) -> tuple[int, int, int, int]:
+    """(D1, BLOCK_D1, D2, BLOCK_D2): how a QK head dim of `dqk` is read.
+
+    `split_at` (split keys: P of k_nope [.., P] + k_rope [.., dqk - P]) fixes
+    the split. Otherwise one key tensor is read in two segments when that pads
+    less than one power-of-two tile: 192 -> 128 + 64 (no padding; one tile
+    would be 256), 40 -> 32 + 8 (padded 48, not 64); 128 or 24 stay whole.
+    """
+    if split_at is not None:
+        d2 = dqk - split_at
+        return split_at, _pad(split_at), d2, _pad(d2)
+    whole = _pad(dqk)
+    d1 = whole // 2
+    if dqk <= 16 or whole == dqk or d1 + _pad(dqk - d1) >= whole:
+        return dqk, whole, 0, 0
+    return d1, d1, dqk - d1, _pad(dqk - d1)
+
+
+def split_keys_pad_less(p: int, r: int) -> bool:
+    """Whether reading split keys (k_nope [.., p], k_rope [.., r]) as they are
+    pads no more than reading one assembled key tensor of width p + r would
+    (P = 128, R = 64: 192 either way; P = 192, R = 64: 256 + 64 = 320 > 256)."""
+    _, b1, _, b2 = qk_segments(p + r, p)
+    _, w1, _, w2 = qk_segments(p + r)
+    return b1 + b2 <= w1 + w2
 
 
 def varlen_attention_triton(
@@ -157,9 +214,13 @@ def varlen_attention_triton(
     causal: bool,
     out: torch.Tensor,
     lse: torch.Tensor,
+    k_rope: torch.Tensor | None = None,
 ) -> None:
     """Fills out [Tq,N,Dv] and lse [N,Tq] (fp32). Inputs are validated by api.py.
 
+    k [Tk, N, Dqk]; or split keys: k = k_nope [Tk, N, P] and k_rope
+    [Tk, N, R] (any head stride, 0 for a rope part shared by the heads), with
+    P + R = Dqk, read as they are (the full keys are never built).
     Rows of q outside every request are not written. `max_seqlen_q` must be
     >= every request's query length (it sizes the grid; no device sync).
     """
@@ -168,21 +229,27 @@ def varlen_attention_triton(
     batch = cu_seqlens_q.numel() - 1
     if tq == 0 or n == 0 or batch == 0 or max_seqlen_q == 0:
         return
-    block_dqk = triton.next_power_of_2(dqk)
-    block_dv = triton.next_power_of_2(dv)
-    block_m, block_n, warps, stages = _launch_config(block_dqk, block_dv, q.dtype)
+    if k_rope is not None and k_rope.shape[-1] == 0:
+        k_rope = None
+    if k_rope is not None:
+        d1, block_d1, d2, block_d2 = qk_segments(dqk, k.shape[-1])
+        k1, k2 = k, k_rope
+    else:
+        d1, block_d1, d2, block_d2 = qk_segments(dqk)
+        k1, k2 = k, (k[..., d1:] if d2 else k)
+    block_dv = _pad(dv)
+    block_m, block_n, warps, stages = _launch_config(block_d1 + block_d2, block_dv, q.dtype)
     lowp = (not _INTERPRET) and q.dtype in (torch.bfloat16, torch.float16)
     ieee = q.dtype == torch.float32
     grid = (triton.cdiv(max_seqlen_q, block_m), batch, n)
     with launch_guard(q):
         _attn_fwd_kernel[grid](
-            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+            q, k1, k2, v, out, lse, cu_seqlens_q, cu_seqlens_k,
             softmax_scale * LOG2E,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            dqk, dv,
+            q.stride(0), q.stride(1), k1.stride(0), k1.stride(1), k2.stride(0), k2.stride(1),
+            v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            d1, d2, dv,
             CAUSAL=causal, LOWP_DOT=lowp, IEEE_FP32=ieee,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D1=block_d1, BLOCK_D2=block_d2, BLOCK_DV=block_dv,
             num_warps=warps, num_stages=stages,
         )
-

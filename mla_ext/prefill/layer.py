@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from mla_ext.attention.api import merge_attn_states, varlen_attention
+from mla_ext.attention.scratch import AttentionScratch
 from mla_ext.cache import api as cache_api
 from mla_ext.cache import checks as cache_checks
 from mla_ext.cache.context_parallel import cp_gather_context, cp_local_lens
@@ -235,6 +236,7 @@ class MLAPrefill:
             )
         self.use_fp8_prefill = check_bool(use_fp8_prefill, "use_fp8_prefill")
         self._unit_scale: dict[torch.device, Tensor] = {}
+        self._attn_scratch: dict[torch.device, AttentionScratch] = {}
         # SPEC §5: a pure function of the layer. None means "no cast": the
         # activations stay in the model dtype (the linear quantizes itself).
         self.kv_b_proj_input_dtype = kv_b_proj_input_dtype(self.kv_b_proj, self.use_fp8_prefill)
@@ -386,12 +388,27 @@ class MLAPrefill:
         kv = kv.view(-1, m.num_heads, m.P + m.V)
         return kv[..., : m.P], kv[..., m.P :]
 
-    def _keys(self, k_nope: Tensor, k_pe: Tensor, dtype: torch.dtype) -> Tensor:
-        m = self.model
-        k = torch.empty(k_nope.shape[0], m.num_heads, m.P + m.R, dtype=dtype, device=k_nope.device)
-        k[..., : m.P] = k_nope
-        k[..., m.P :] = k_pe[:, None, :]
-        return k
+    def _keys(self, k_nope: Tensor, k_pe: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The keys in split form, for varlen_attention(k=k_nope, k_rope=k_pe): k_nope
+        [M, N, P] (a view of the kv_b_proj output) and k_pe [M, R] (the workspace's
+        rope columns), in the attention dtype (no copy when they have it already).
+        The keys [M, N, P+R] are not built here: the Triton backend reads both parts
+        in its own loads; a backend that takes one key tensor (flex_attention,
+        varlen_attn) assembles it in this layer's attention scratch, one per
+        device, which every chunk reuses (`_attention_scratch`)."""
+        return k_nope.to(dtype), k_pe.to(dtype)
+
+    def _attention_scratch(self, device) -> AttentionScratch:
+        """This layer's attention buffers on `device`, sized on first use for
+        workspace_rows rows (the largest chunk). One made inside a CUDA graph
+        capture serves that graph only (kept out of the cache, as `_k_scale` does)."""
+        device = torch.device(device)
+        scratch = self._attn_scratch.get(device)
+        if scratch is None:
+            scratch = AttentionScratch(min_rows=self.workspace_rows)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._attn_scratch[device] = scratch
+        return scratch
 
     def _workspace(self, given: Tensor | None, device) -> Tensor:
         E = self.model.L + self.model.R
@@ -479,7 +496,8 @@ class MLAPrefill:
 
     def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
                 metadata: PrefillMetadata, clock=None, *, k_scale: Tensor | None = None,
-                workspace: Tensor | None = None, validate: bool | None = None) -> Tensor:
+                workspace: Tensor | None = None, validate: bool | None = None,
+                attention_scratch: AttentionScratch | None = None) -> Tensor:
         """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V].
 
         `k_scale`: this layer's per-tensor fp32 K scale [1] (per-tensor fp8 layers;
@@ -491,6 +509,11 @@ class MLAPrefill:
         engine can share one bounded buffer across layers; allocated per call
         otherwise.
 
+        `attention_scratch`: an optional `mla_ext.attention.AttentionScratch` for the
+        attention backends that assemble the keys [M, N, P+R] (flex_attention,
+        varlen_attn; the default Triton backend reads them split and needs none), so
+        layers can share one; the layer's own (one per device) otherwise.
+
         `clock` (optional, for profiling; see mla_ext.prefill.timing.StepClock)
         gets `clock.mark(step)` after every step.
 
@@ -499,6 +522,9 @@ class MLAPrefill:
         """
         validate = check_bool(validate, "validate", allow_none=True)
         self._check_types(q, kv_c_normed, k_pe, kv_cache, metadata, clock, k_scale)
+        if attention_scratch is not None and not isinstance(attention_scratch, AttentionScratch):
+            raise ValueError(f"attention_scratch: expected an mla_ext.attention.AttentionScratch or None, "
+                             f"got {type(attention_scratch).__name__}")
         m = self.model
         T = metadata.num_tokens
         if q.dim() != 3 or tuple(q.shape) != (T, m.num_heads, m.P + m.R):
@@ -529,10 +555,11 @@ class MLAPrefill:
         # 1. New tokens: causal attention over themselves.
         k_nope, v = self._up_project(kv_c_normed)
         tick("kv_b_proj")
-        k = self._keys(k_nope, k_pe, dtype)
+        k_nope, k_rope = self._keys(k_nope, k_pe, dtype)
         tick("keys")
-        o_new, lse_new = varlen_attention(q, k, v.to(dtype), cu_q, cu_q, max_q, max_q,
-                                          self.softmax_scale, causal=True)
+        scratch = attention_scratch if attention_scratch is not None else self._attention_scratch(device)
+        o_new, lse_new = varlen_attention(q, k_nope, v.to(dtype), cu_q, cu_q, max_q, max_q,
+                                          self.softmax_scale, causal=True, k_rope=k_rope, scratch=scratch)
         tick("attention")
 
         # 2. Context, chunk by chunk, merged into (0, -inf).
@@ -549,12 +576,12 @@ class MLAPrefill:
                 tick("gather")
                 ck_nope, cv = self._up_project(workspace[:rows, : m.L])
                 tick("kv_b_proj")
-                ck = self._keys(ck_nope, workspace[:rows, m.L :], dtype)
+                ck_nope, ck_rope = self._keys(ck_nope, workspace[:rows, m.L :], dtype)
                 tick("keys")
                 qs = slice(c.token_start, c.token_end)
-                o, lse = varlen_attention(q[qs], ck, cv.to(dtype), t.cu_seqlens_q, t.cu_seq_lens,
+                o, lse = varlen_attention(q[qs], ck_nope, cv.to(dtype), t.cu_seqlens_q, t.cu_seq_lens,
                                           c.max_query_len, c.max_seq_len, self.softmax_scale,
-                                          causal=False)
+                                          causal=False, k_rope=ck_rope, scratch=scratch)
                 tick("attention")
                 merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
                                   out=acc_o[qs], out_lse=acc_lse[:, qs])
