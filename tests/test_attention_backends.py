@@ -440,3 +440,32 @@ def test_varlen_attn_cuda_refuses_fp32():
     c = cu([8], "cuda")
     why = ATTENTION.get("varlen_attn").not_supported_reasons(AttentionInputs(q, keys, v, c, c, 8, 8, 1.0, False))
     assert any("bfloat16 or float16" in w for w in why) or tb._varlen_api()[3]
+
+
+# ---------------------------------------------------------------------------
+# benchmarks/bench_attention.py (CPU smoke run)
+# ---------------------------------------------------------------------------
+
+def test_bench_attention_cpu_smoke(tmp_path):
+    """--quick on the CPU: peaks, SDPA, every usable backend side by side (flex
+    included), merges; every row ok; the attention entries of the dispatch table."""
+    import csv
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_attention.py")
+    spec = importlib.util.spec_from_file_location("bench_attention_smoke", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--out", str(tmp_path), "--budget-s", "0"]) == 0
+    with open(tmp_path / "bench_attention_cpu.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r["status"] == "ok" for r in rows), rows
+    seen = {(r["op"], r["backend"]) for r in rows}
+    assert {("peak", "torch.matmul"), ("peak", "torch.copy_"), ("attention", "torch.sdpa"),
+            ("attention", "torch"), ("attention", "flex_attention"), ("merge", "torch")} <= seen
+    assert all(r["vs_peak"] for r in rows if r["op"] == "attention")
+    table = json.loads((tmp_path / "dispatch_table_cpu.json").read_text())
+    entries = table["ops"]["attention"]["entries"]
+    assert len(entries) == 2 and all(set(e["order"]) == {"torch", "flex_attention"} for e in entries.values())
