@@ -290,6 +290,8 @@ def test_backend_report_rows_cover_every_backend():
 
     rows = api.backend_report("cpu")
     assert {(op, b) for op, b, _ in rows} == {("attention", "triton"), ("attention", "torch"),
+                                              ("attention", "flex_attention"),
+                                              ("attention", "varlen_attn"),
                                               ("merge", "cuda"), ("merge", "cpu"),
                                               ("merge", "triton"), ("merge", "torch")}
     why = {(op, b): r for op, b, r in rows}
