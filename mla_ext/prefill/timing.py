@@ -4,8 +4,8 @@
 `clock.mark(step)` after each step, and the time since the previous mark is
 added to that step. On a GPU a mark records a CUDA event (no host sync on the
 hot path; `totals()` synchronises once at the end), on the CPU it reads
-`time.perf_counter()`. Steps (SPEC §1): gather, kv_b_proj, keys (assembling
-k = [k_nope | k_pe]), attention (new tokens and context chunks), merge.
+`time.perf_counter()`. Steps (SPEC §1): gather, kv_b_proj, keys (the split
+keys k_nope / k_pe in the attention dtype: casts only, no [M, N, P+R] build), attention (new tokens and context chunks), merge.
 
 `step_work` counts what each step must move or compute for a batch, from the
 layer's resolved plan (its chunk plan, cache format and workspace dtype), so
@@ -101,8 +101,15 @@ def step_work(layer, metadata) -> dict[str, StepWork]:
     # One merge per chunk over its query rows, and the final one over all T.
     merged_rows = sum(c.token_end - c.token_start for c in plan.chunks) + T
     merge = merged_rows * N * 3 * (m.V * o_bytes + 4)
-    # k = [k_nope | k_pe]: reads N*P + R, writes N*(P+R) elements per row.
-    keys = (T + ctx_rows) * (N * m.P + m.R + N * (m.P + m.R)) * o_bytes
+    # The keys stay split (k_nope a view of the kv_b_proj output, k_pe the
+    # workspace's rope columns): this step only casts what is not already in the
+    # attention dtype (the model dtype). Usually nothing moves.
+    keys = 0
+    kvb_bytes = torch.empty(0, dtype=layer.kv_b_proj.params_dtype).element_size()
+    if layer.kv_b_proj.params_dtype != m.model_dtype:
+        keys += (T + ctx_rows) * N * m.P * (kvb_bytes + o_bytes)
+    if layer.workspace_dtype != m.model_dtype:
+        keys += ctx_rows * m.R * (ws_bytes + o_bytes)
     return {
         "gather": StepWork("gather", gather, "bytes"),
         "kv_b_proj": StepWork("kv_b_proj", gemm, "flops"),
