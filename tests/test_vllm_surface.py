@@ -92,8 +92,17 @@ def test_signature_is_vllms(name):
     if name.endswith("nvfp4_kv_cache") and not HAS_NVFP4:
         pytest.skip("mla_ext.formats has no nvfp4_ds_mla format")
     schema = getattr(torch.ops.mla_ext_vllm, name).default._schema
-    got = [(a.name, a.default_value if a.has_default_value() else _REQ) for a in schema.arguments]
     want = [(a, _REQ) if isinstance(a, str) else a for a in VLLM_0_33[name]]
+    if name == "merge_attn_states":
+        # Defaults on the Python function (torch 2.11's custom_op cannot take a
+        # default on a mutated optional argument); the schema has the same names.
+        import inspect
+
+        params = inspect.signature(ops.merge_attn_states).parameters.values()
+        got = [(p.name, _REQ if p.default is inspect.Parameter.empty else p.default) for p in params]
+        assert [a.name for a in schema.arguments] == [a for a, _ in want]
+    else:
+        got = [(a.name, a.default_value if a.has_default_value() else _REQ) for a in schema.arguments]
     assert got == want
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == WRITES[name]
@@ -577,6 +586,7 @@ def test_fake_kernels_refuse_too(name):
 
 def _opcheck_cases():
     x = _refusal_inputs()
+    merge_op = torch.ops.mla_ext_vllm.merge_attn_states.default
     g = _gen(8)
     kv_c = torch.randn(5, 512, generator=g).to(BF16)
     k_pe = torch.randn(5, 64, generator=g).to(BF16)
@@ -598,12 +608,13 @@ def _opcheck_cases():
          (x["ds"], x["ddst"], x["dbt"], x["ws"], 4, x["dstarts"]), {}),
         *([("upconvert_nvfp4", ops.cp_gather_and_upconvert_nvfp4_kv_cache,
             (torch.zeros(6, 16, 352, dtype=torch.uint8), x["ddst"], x["dbt"], x["ws"], 4), {})] if HAS_NVFP4 else []),
-        ("merge", ops.merge_attn_states, (x["out"], o1, lse1, o2, lse2), {}),
-        ("merge_lse", ops.merge_attn_states, (x["out"], o1, lse1, o2, lse2, torch.empty_like(lse1)), {}),
-        ("merge_p", ops.merge_attn_states, (x["out"], o1, lse1, o2, lse2, torch.empty_like(lse1)),
-         {"prefill_tokens_with_context": 4}),
-        ("merge_fp8", ops.merge_attn_states, (fp8_out, o1, lse1, o2, lse2, torch.empty_like(lse1), 6,
-                                              torch.tensor(0.1)), {}),
+        # The merge op itself takes every argument (its defaults live on ops.merge_attn_states).
+        ("merge", merge_op, (x["out"], o1, lse1, o2, lse2, None, None, None), {}),
+        ("merge_lse", merge_op, (x["out"], o1, lse1, o2, lse2, torch.empty_like(lse1), None, None), {}),
+        ("merge_p", merge_op, (x["out"], o1, lse1, o2, lse2, torch.empty_like(lse1)),
+         {"prefill_tokens_with_context": 4, "output_scale": None}),
+        ("merge_fp8", merge_op, (fp8_out, o1, lse1, o2, lse2, torch.empty_like(lse1), 6,
+                                 torch.tensor(0.1)), {}),
     ]
 
 

@@ -362,11 +362,16 @@ def _(src_cache, dst, block_table, workspace_starts, batch_size, seq_starts=None
     _check_upconvert(_FP8_UPCONVERT, src_cache, dst, block_table, workspace_starts, batch_size, seq_starts)
 
 
+# The op's schema carries no defaults: torch 2.11's custom_op raises IndexError
+# ("tuple index out of range") when a mutated optional argument with a default
+# (output_lse) is left out or passed as None with nothing after it (2.14 guards
+# it). vLLM's defaults live on the Python function `merge_attn_states` below,
+# which always passes every argument.
 @torch.library.custom_op(f"{NAMESPACE}::merge_attn_states", mutates_args=("output", "output_lse"))
-def merge_attn_states(output: Tensor, prefix_output: Tensor, prefix_lse: Tensor, suffix_output: Tensor,
-                      suffix_lse: Tensor, output_lse: Optional[Tensor] = None,
-                      prefill_tokens_with_context: Optional[int] = None,
-                      output_scale: Optional[Tensor] = None) -> None:
+def _merge_attn_states_op(output: Tensor, prefix_output: Tensor, prefix_lse: Tensor, suffix_output: Tensor,
+                          suffix_lse: Tensor, output_lse: Optional[Tensor],
+                          prefill_tokens_with_context: Optional[int],
+                          output_scale: Optional[Tensor]) -> None:
     _check_merge(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
                  prefill_tokens_with_context, output_scale)
     tokens = output.size(0)
@@ -395,11 +400,20 @@ def merge_attn_states(output: Tensor, prefix_output: Tensor, prefix_lse: Tensor,
         output_lse[:, p:].copy_(suffix_lse[:, p:])
 
 
-@merge_attn_states.register_fake
-def _(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
-      prefill_tokens_with_context=None, output_scale=None):
+@_merge_attn_states_op.register_fake
+def _(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+      prefill_tokens_with_context, output_scale):
     _check_merge(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
                  prefill_tokens_with_context, output_scale)
+
+
+def merge_attn_states(output: Tensor, prefix_output: Tensor, prefix_lse: Tensor, suffix_output: Tensor,
+                      suffix_lse: Tensor, output_lse: Optional[Tensor] = None,
+                      prefill_tokens_with_context: Optional[int] = None,
+                      output_scale: Optional[Tensor] = None) -> None:
+    """vLLM 0.33's merge_attn_states (the op `mla_ext_vllm::merge_attn_states`)."""
+    _merge_attn_states_op(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+                          prefill_tokens_with_context, output_scale)
 
 
 OPS = (concat_and_cache_mla, gather_and_maybe_dequant_cache, cp_gather_cache,
