@@ -49,9 +49,9 @@ fb_sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32"
 for m in (1, 64, 8192):
     build(fb._fp8_block_gemm_kernel, fb_sig, dict(fb._config(m), BLOCK_K=fb.BLOCK_K), 90)
 
-q_sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", M=i32, K=i32, stride_xm=i32,
-             stride_qm=i32, stride_sm=i32, eps="fp32")
-build(quant._quant_kernel, q_sig, dict(GROUP=quant.GROUP, BLOCK_M=16), 90)
+q_sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", M=i32, K=i32, Mq=i32, Kq=i32,
+             stride_xm=i32, stride_qm=i32, stride_sm=i32, stride_sg=i32, eps="fp32")
+build(quant._quant_kernel, q_sig, dict(GROUP=quant.GROUP, BLOCK_M=16, FP8_OUT=True), 90)
 print("AOT-OK")
 """
 
