@@ -279,3 +279,66 @@ _merge_cases(OP_MERGE, "op")
 add("mla_ext.attention.api:backend_report", "cpu", report_rows_case(api.backend_report, "cpu"), "accept")
 add("mla_ext.attention.api:backend_report", "unknown_device", report_rows_case(api.backend_report, "tpu9"),
     "reject", ("device",))
+
+
+# ---------------------------------------------------------------------------
+# varlen_attention with split MLA keys (k = k_nope [Tk, N, P], k_rope shared or per head)
+# ---------------------------------------------------------------------------
+
+P_SPLIT = 32  # of Dqk = 40: R = 8
+
+
+def split_call(a: dict, rope_heads: int | None, *, backend: str | None = None, check: bool = True,
+               mutate=None, g=None, p_split: int = P_SPLIT) -> Call:
+    """a's keys split into k_nope (a strided view of k) and k_rope [Tk, R] (rope_heads None)
+    or [Tk, rope_heads, R]; the reference sees the assembled keys."""
+    k = a["k"]
+    tk, n, _ = k.shape
+    rope = k[:, :1, p_split:] if rope_heads == 1 or rope_heads is None else k[:, :, p_split:]
+    rope = g.put(rope.squeeze(1) if rope_heads is None else rope, "k_rope")
+    kw = dict(a, k=k[..., :p_split], k_rope=rope)
+    if mutate is not None:
+        mutate(g, kw)
+    want = None
+    if check:
+        heads = 1 if rope.dim() == 2 else rope.shape[1]
+        keys = torch.cat([k[..., :p_split], rope.reshape(tk, heads, rope.shape[-1]).expand(tk, n, -1)], dim=-1)
+        want = ref.varlen_attention_ref(a["q"].clone(), keys, a["v"].clone(), a["cu_seqlens_q"].clone(),
+                                        a["cu_seqlens_k"].clone(), a["softmax_scale"], a["causal"],
+                                        compute_dtype=torch.float64)
+
+    def fn():
+        with api.ATTENTION.force(backend):
+            return api.varlen_attention(**kw)
+
+    def verify(result):
+        o, lse = result
+        assert_close_rel(o, want[0].to(o.dtype), "o")
+        assert_close_rel(lse, want[1], "lse", LSE_TOL)
+    return Call(fn, verify if check else None)
+
+
+def _split(name, expect="accept", args=(), *, rope_heads=None, backend=None, mutate=None, setup=None):
+    def build(g):
+        a = attn_setup(g, **(setup or {}))
+        return split_call(a, rope_heads, backend=backend, check=expect != "reject", mutate=mutate, g=g)
+    add(VARLEN, f"split_keys_{name}", build, expect, args)
+
+
+_split("shared_rope")
+_split("rope_one_head", rope_heads=1)
+_split("rope_per_head", rope_heads=2)
+_split("bf16_torch_backend", setup=dict(dtype=BF16), backend="torch")
+_split("flex_attention_backend", backend="flex_attention")
+_split("rope_dtype_differs", "reject", ("k_rope",), mutate=lambda g, kw: kw.update(k_rope=kw["k_rope"].double()))
+_split("rope_tokens_differ", "reject", ("k_rope",), mutate=lambda g, kw: kw.update(k_rope=kw["k_rope"][:5]))
+_split("rope_three_heads", "reject", ("k_rope",),
+       mutate=lambda g, kw: kw.update(k_rope=kw["k_rope"][:, None].expand(-1, 3, -1)))
+_split("dims_do_not_sum", "reject", ("k_rope", "k"),
+       mutate=lambda g, kw: kw.update(k_rope=g.put(torch.zeros(18, 16), "k_rope16")))
+_split("rope_head_dim_strided", "reject", ("k_rope",),
+       mutate=lambda g, kw: kw.update(k_rope=g.put(kw["k_rope"], "k_rope_s", strides=(16, 2))))
+_split("rope_4d", "reject", ("k_rope",), mutate=lambda g, kw: kw.update(k_rope=kw["k_rope"][None, :, None]))
+_split("rope_list", "reject", ("k_rope",), mutate=lambda g, kw: kw.update(k_rope=[[0.0] * 8] * 18))
+_split("rope_on_meta", "reject", ("k_rope",), mutate=lambda g, kw: kw.update(k_rope=kw["k_rope"].to(META)))
+_split("scratch_garbage", "reject", ("scratch",), mutate=lambda g, kw: kw.update(scratch={"keys": None}))

@@ -135,14 +135,19 @@ def test_kv_scale_matches_reference(via, fmt, T, dtype, seed, magnitude, kv_kw):
 @given(dtype=st.sampled_from([torch.float32, BF16, torch.float16]), N=st.integers(1, 3),
        Dqk=st.sampled_from([8, 40, 96]), Dv=st.sampled_from([8, 24]),
        lens=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 12)), min_size=0, max_size=3),
-       causal=st.booleans(), backend=st.sampled_from([None, None, "torch"]), seed=st.integers(0, 999),
-       q_kw=layouts)
+       causal=st.booleans(), backend=st.sampled_from([None, None, "torch", "flex_attention"]),
+       seed=st.integers(0, 999), q_kw=layouts, split=st.sampled_from([False, None, 1, "per_head"]))
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_varlen_attention_matches_reference(dtype, N, Dqk, Dv, lens, causal, backend, seed, q_kw):
+def test_varlen_attention_matches_reference(dtype, N, Dqk, Dv, lens, causal, backend, seed, q_kw, split):
+    """split: whole keys (False), or k_nope plus k_rope shared [Tk, R] (None), [Tk, 1, R] or per head."""
+    assume(split is False or Dqk > 8)  # split keys: P = Dqk - 8 > 0
+
     def build(g):
         a = fa.attn_setup(g, dtype=dtype, N=N, Dqk=Dqk, Dv=Dv, q_lens=tuple(q for q, _ in lens),
                           k_lens=tuple(k for _, k in lens), seed=seed, q_kw=q_kw, causal=causal)
-        return fa.attn_call(a, backend=backend)
+        if split is False:
+            return fa.attn_call(a, backend=backend)
+        return fa.split_call(a, N if split == "per_head" else split, backend=backend, g=g, p_split=Dqk - 8)
     ok(build)
 
 
