@@ -28,7 +28,11 @@
 #   bench_kv_b_proj  --sweep: the dispatch thresholds' crossovers, M >= 8K vs bf16, and
 #               the measured dispatch table bench/dispatch_table_<device>.json (in the
 #               tarball only; copy it to mla_ext/dispatch_tables/<device>.json to commit it)
-#   bench_prefill, bench_gather (10 repetitions), bench_attention
+#   bench_prefill; bench_absorbed (--quick: context attention up-projected vs in latent
+#               space, fp8_ds_mla, T x C sweep: the measured crossover beside the cost model's,
+#               in its log tail; CSV, report and the measured rates in the tarball only,
+#               bench/dispatch_table_<device>.json gets a context_attention section)
+#   bench_gather (10 repetitions), bench_attention
 # Without a GPU (no nvidia-smi, or it lists none) it runs the CPU-side steps (build,
 # info, demo, benchmarks at CPU sizes). If nvidia-smi lists a GPU and torch cannot
 # initialise CUDA it stops at once with torch's error: no silent CPU run.
@@ -59,11 +63,13 @@ FAULTHANDLER_S=45              # pytest dumps every thread's stack after this lo
 # are budgets, not guesses: their sum plus each step's kill grace and packing fits
 # the default deadline, so even when every step runs to its cap, every step runs
 # (tests/test_gpu_check_harness.py checks it). Benchmarks write rows as they go, so
-# a capped one still returns what it measured.
-CAP_FACTS=15; CAP_BUILD=140; CAP_INFO=15
+# a capped one still returns what it measured. bench_absorbed's 20 s (+ its 8 s of
+# kill grace and packing) came out of build 4, memcheck 4, demo 4, kv_b_proj 8,
+# gather 3 and attention 3.
+CAP_FACTS=15; CAP_BUILD=136; CAP_INFO=15
 CAP_CUDA=95; CAP_CUDA_FILE=90
-CAP_MEMCHECK=50; CAP_MEMCHECK_FILE=50
-CAP_DEMO=35; CAP_KVB=50; CAP_PREFILL=20; CAP_GATHER=15; CAP_ATTENTION=15
+CAP_MEMCHECK=46; CAP_MEMCHECK_FILE=46
+CAP_DEMO=31; CAP_KVB=42; CAP_PREFILL=20; CAP_ABSORBED=20; CAP_GATHER=12; CAP_ATTENTION=12
 # Test files of the C++/CUDA ops, for memcheck (their Triton cases are deselected).
 MEMCHECK_FILES="test_cache_ops.py test_cache_fp8.py test_attention_merge.py test_kv_b_proj_marlin.py"
 # CUDA test files run first in this order; any other file with a cuda mark follows.
@@ -441,20 +447,22 @@ if [ "$mode" = gpu ]; then
   step demo demo $CAP_DEMO 20 "$py" -m mla_ext demo --full --progress off
   step bench_kv_b_proj bench_kv_b_proj $CAP_KVB 20 "$py" benchmarks/bench_kv_b_proj.py --sweep --out "${work:-W}/bench"
   step bench_prefill bench_prefill $CAP_PREFILL 20 "$py" benchmarks/bench_prefill.py --quick --out "${work:-W}/bench"
-  step bench_gather bench_gather $CAP_GATHER 15 "$py" benchmarks/bench_gather.py --reps 10 --out "${work:-W}/bench"
-  step bench_attention bench_attention $CAP_ATTENTION 15 "$py" benchmarks/bench_attention.py --out "${work:-W}/bench"
+  step bench_absorbed bench_absorbed $CAP_ABSORBED 15 "$py" benchmarks/bench_absorbed.py --quick --out "${work:-W}/bench"
+  step bench_gather bench_gather $CAP_GATHER 12 "$py" benchmarks/bench_gather.py --reps 10 --out "${work:-W}/bench"
+  step bench_attention bench_attention $CAP_ATTENTION 12 "$py" benchmarks/bench_attention.py --out "${work:-W}/bench"
 else
   record cuda "SKIPPED" 0 0 "no GPU"
   record memcheck "SKIPPED" 0 0 "no GPU"
   step demo demo $CAP_DEMO 20 "$py" -m mla_ext demo --progress off
   step bench_kv_b_proj bench_kv_b_proj $CAP_KVB 20 "$py" benchmarks/bench_kv_b_proj.py --sweep --out "${work:-W}/bench"
   step bench_prefill bench_prefill $CAP_PREFILL 20 "$py" benchmarks/bench_prefill.py --quick --out "${work:-W}/bench"
-  step bench_gather bench_gather $CAP_GATHER 15 "$py" benchmarks/bench_gather.py --quick --out "${work:-W}/bench"
-  step bench_attention bench_attention $CAP_ATTENTION 15 "$py" benchmarks/bench_attention.py --quick --out "${work:-W}/bench"
+  step bench_absorbed bench_absorbed $CAP_ABSORBED 15 "$py" benchmarks/bench_absorbed.py --quick --out "${work:-W}/bench"
+  step bench_gather bench_gather $CAP_GATHER 12 "$py" benchmarks/bench_gather.py --quick --out "${work:-W}/bench"
+  step bench_attention bench_attention $CAP_ATTENTION 12 "$py" benchmarks/bench_attention.py --quick --out "${work:-W}/bench"
 fi
 
 if [ $plan -eq 1 ]; then
-  echo "PLAN end=$(elapsed) sum_of_caps=$((CAP_FACTS + CAP_BUILD + CAP_INFO + CAP_CUDA + CAP_MEMCHECK + CAP_DEMO + CAP_KVB + CAP_PREFILL + CAP_GATHER + CAP_ATTENTION))"
+  echo "PLAN end=$(elapsed) sum_of_caps=$((CAP_FACTS + CAP_BUILD + CAP_INFO + CAP_CUDA + CAP_MEMCHECK + CAP_DEMO + CAP_KVB + CAP_PREFILL + CAP_ABSORBED + CAP_GATHER + CAP_ATTENTION))"
   exit 0
 fi
 record total "" "$(elapsed)" "$DEADLINE" "$failures step(s) failed"

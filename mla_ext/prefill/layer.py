@@ -14,6 +14,13 @@ kv_b_proj weights, never from a global cache dtype:
 in chunks (gather -> up-project -> non-causal attention with LSE -> merge),
 and the final merge. `explain()` prints the resolved plan.
 
+Context attention per chunk (`context_attention=`, mla_ext/prefill/absorbed.py):
+"up_project" is the path above; "absorbed" attends the chunk in latent space
+straight from the paged cache (queries absorbed through W_UK, the latent output
+un-absorbed through W_UV; no up-projection of the context); "auto" (default)
+picks the cheaper one per chunk by a cost model (mla_ext/prefill/absorbed_cost.py).
+Both give the same answer within SPEC §9.
+
 Checks (`forward`):
   * always, on host data only (no sync, O(1) per argument or O(num_reqs)):
     argument types, shapes, dtypes and devices; every request's context fits
@@ -56,6 +63,7 @@ from mla_ext.prefill.chunking import (
     workspace_alignment,
     workspace_rows,
 )
+from mla_ext.prefill.absorbed import ContextAttention
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -216,10 +224,13 @@ class MLAPrefill:
         softmax_scale: float | None = None,
         context_parallel: ContextParallel | None = None,
         validate: bool | None = None,
+        context_attention: str = "auto",
     ):
         """`validate`: the block-id range check of `forward` (module docstring):
         True always (a host sync on a GPU), False never, None (default) only when
-        it is free (block table on the CPU). `forward(validate=)` overrides it."""
+        it is free (block table on the CPU). `forward(validate=)` overrides it.
+        `context_attention`: "auto" (per chunk, by cost model), "absorbed" or
+        "up_project" (every chunk that way); see the module docstring."""
         check_configs(cache_config, model, model_arg="model")
         if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
             raise ValueError(f"context_parallel: expected a ContextParallel or None, got "
@@ -263,6 +274,7 @@ class MLAPrefill:
             self.softmax_scale = float(softmax_scale)
             self.softmax_scale_source = (f"given by the caller (the model config says "
                                          f"{model.softmax_scale:.5f})")
+        self.context_attention = ContextAttention(self, context_attention)
 
     # -- plan ----------------------------------------------------------------
     @property
@@ -302,7 +314,14 @@ class MLAPrefill:
         except ValueError as exc:
             backend = f"none ({exc})"
         lines.append(f"  kv_b_proj backend at M={self.workspace_rows} on {device}: {backend}")
+        lines += self.context_attention.explain(self, device)
         return "\n".join(lines)
+
+    def explain_context(self, metadata: "PrefillMetadata", device: torch.device | str | None = None) -> str:
+        """The path every context chunk of `metadata` takes on `device`, and why."""
+        device = torch.device(device) if device is not None else metadata.block_table.device
+        return "\n".join([f"layer {self.layer_index}: context chunks on {device}"]
+                         + self.context_attention.explain_chunks(self, metadata, device))
 
     def _linear_act_dtype(self) -> torch.dtype:
         return self.activation_dtype
@@ -571,6 +590,14 @@ class MLAPrefill:
             scale = self._k_scale(k_scale if k_scale is not None else metadata.k_scale, device)
             for c in plan.chunks:
                 t = metadata.chunk_tensors(c, device)
+                if self.context_attention.choose(c, device).path == "absorbed":
+                    qs = slice(c.token_start, c.token_end)
+                    o, lse = self.context_attention.run(self, q[qs], kv_cache, workspace, metadata, c, t,
+                                                        scale, tick)
+                    merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
+                                      out=acc_o[qs], out_lse=acc_lse[:, qs])
+                    tick("merge")
+                    continue
                 rows = c.total_rows
                 self._gather(kv_cache, workspace, metadata, c, t, scale)
                 tick("gather")
