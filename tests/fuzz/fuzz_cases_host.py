@@ -128,6 +128,9 @@ LAYER_FORMATS = tuple(f.name for f in formats.FORMATS
                       if f.supports_dims(TINY.L, TINY.R) and (f.is_quantized or f.storage == "model"))
 for _fmt in LAYER_FORMATS:
     P(f"valid_{_fmt}", fmt=_fmt)
+for _fmt in LAYER_FORMATS:  # context attention in latent space, straight from the paged cache
+    P(f"valid_absorbed_{_fmt}", fmt=_fmt, setup=dict(layer_kw=dict(context_attention="absorbed")))
+P("valid_up_project", setup=dict(layer_kw=dict(context_attention="up_project")))
 P("valid_skipped_layer", fmt="fp8_ds_mla", setup=dict(layer_kw=dict(layer=None, prefix="model.layers.0.attn")))
 P("one_chunk_per_request", setup=dict(ctx=(70, 5, 33), qlens=(1, 2, 1)))
 P("workspace_given", mutate=lambda g, a: a["kw"].update(
@@ -174,6 +177,15 @@ def _bad_id(g, a):
 P("block_id_out_of_range", "reject", ("block_table",), _bad_id)
 P("block_id_out_of_range_validate_off", "either", ("block_table",),
   lambda g, a: (_bad_id(g, a), a["kw"].update(validate=False)), reference=False)
+P("absorbed_block_id_out_of_range", "reject", ("block_table",), _bad_id,
+  setup=dict(layer_kw=dict(context_attention="absorbed")))
+P("absorbed_block_id_out_of_range_validate_off", "either", ("block_table",),
+  lambda g, a: (_bad_id(g, a), a["kw"].update(validate=False)), reference=False,
+  setup=dict(layer_kw=dict(context_attention="absorbed")))
+P("absorbed_table_narrower_than_context", "reject", ("context_lens", "block_table"), _narrow_table,
+  setup=dict(layer_kw=dict(context_attention="absorbed")))
+P("absorbed_k_scale_nan", "reject", ("k_scale",), lambda g, a: a["kw"]["k_scale"].fill_(float("nan")),
+  setup=dict(layer_kw=dict(context_attention="absorbed")))
 P("metadata_for_another_block_size", "reject", ("metadata", "block_size"),
   lambda g, a: a.update(metadata=_meta(a, block_size=64)))
 P("q_wrong_heads", "reject", ("q",), lambda g, a: a.update(q=a["q"][:, :1]))
@@ -241,6 +253,8 @@ ctor("ctor_workspace_override_huge", lambda: make_layer(workspace_rows_override=
      args=("override", "workspace"), timeout=QUICK)
 ctor("ctor_context_parallel_str", lambda: make_layer(context_parallel="2"), args=("context_parallel",))
 ctor("ctor_validate_str", lambda: make_layer(validate="yes"), args=("validate",))
+for _label, _v in (("unknown", "latent"), ("bool", True), ("none", None), ("upper", "ABSORBED")):
+    ctor(f"ctor_context_attention_{_label}", lambda v=_v: make_layer(context_attention=v), args=("context_attention",))
 
 
 def method(name, call, expect="reject", args=(), check=None, fmt="fp8"):

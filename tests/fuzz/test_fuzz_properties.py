@@ -224,12 +224,13 @@ def test_chunk_plan_invariants(ctx, data, A, mult):
 
 @given(fmt=st.sampled_from(fh.LAYER_FORMATS),
        reqs=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 3)), min_size=1, max_size=3),
-       ws=st.sampled_from([16, 32, 256]), seed=st.integers(0, 99))
+       ws=st.sampled_from([16, 32, 256]), seed=st.integers(0, 99),
+       path=st.sampled_from(["auto", "absorbed", "up_project"]))
 @FEW
-def test_mla_prefill_matches_oracle(fmt, reqs, ws, seed):
+def test_mla_prefill_matches_oracle(fmt, reqs, ws, seed, path):
     def build(g):
         a = fh.prefill_setup(g, fmt, ctx=tuple(c for c, _ in reqs), qlens=tuple(q for _, q in reqs), seed=seed,
-                             layer_kw=dict(workspace_rows_override=ws))
+                             layer_kw=dict(workspace_rows_override=ws, context_attention=path))
         return fh.prefill_call(a)
     ok(build, timeout=120.0)
 
