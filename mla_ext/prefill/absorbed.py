@@ -362,9 +362,9 @@ class ContextAttention:
         return hit
 
     @staticmethod
-    def backend(q_lat: Tensor, kv_cache: Tensor, kv_cache_dtype: str) -> str:
-        """The latent attention backend that would read this cache (no data needed)."""
-        cu = torch.zeros(2, dtype=torch.int32, device=q_lat.device)
+    def backend(q_lat: Tensor, kv_cache: Tensor, kv_cache_dtype: str, cu: Tensor) -> str:
+        """The latent attention backend that would read this cache (decided from
+        devices, dtypes and strides; `cu`, any int32 offsets, is not read)."""
         x = LatentInputs(q_lat, q_lat[..., :0].transpose(0, 1), kv_cache, kv_cache_dtype, None, cu, cu, None, None,
                          1.0, (0, 0), (0, 0))
         return LATENT.choose(x).name
@@ -378,7 +378,8 @@ class ContextAttention:
         q_lat = absorb_queries(q[..., : m.P], w_uk)
         tick("kv_b_proj")
         rows = None
-        if layer.cp is not None or self.backend(q_lat, kv_cache, layer.spec.kv_cache_dtype) != "triton":
+        if layer.cp is not None or self.backend(q_lat, kv_cache, layer.spec.kv_cache_dtype,
+                                                t.cu_seq_lens) != "triton":
             # The rows are gathered first (all-gathered under context parallelism; the
             # torch path reads gathered rows): the layer's own gather, timed as such.
             layer._gather(kv_cache, workspace, metadata, c, t, scale)

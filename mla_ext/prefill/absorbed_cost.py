@@ -86,8 +86,8 @@ _RATES: dict[tuple, Rates] = {}
 
 def device_name(device: torch.device) -> str:
     """The name a measurement table is filed under: the CUDA device name, else the type."""
-    if device.type != "cuda":
-        return device.type
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return device.type  # (explain() may ask about a CUDA device on a machine without one)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_name(idx)
 
