@@ -18,10 +18,10 @@ nvfp4_ds_mla; --quick: fp8_ds_mla only, 3 repetitions (what
 benchmarks/gpu_check.sh runs). CPU: T in 1, 8, 64, 256 x C in 512, 2K,
 fp8_ds_mla (checks the script; the CPU runs the torch paths).
 
-Rates, measured in the same run (C = min(32K, the largest C), T = 256 on the
-GPU; smaller on the CPU): the layer's kv_b_proj GEMM, head-space varlen
-attention over the up-projected chunk, latent attention per cache format,
-a 256 MiB copy (bytes/s counting read + written) and one tiny op (launch).
+Rates, measured in the same run, first (C = 32K, T = 256 on the GPU; 2K and 64
+on the CPU): a 256 MiB copy (bytes/s counting read + written), one tiny op
+(launch), the layer's kv_b_proj GEMM, head-space varlen attention over the
+up-projected rows; latent attention per cache format, on its first setup.
 
 Report (stdout and DIR/absorbed_crossovers_<device>.txt), per (format, C): the
 measured crossover in new tokens (log-interpolated between the last T where
@@ -156,58 +156,68 @@ def bench_case(setup: Setup, T: int, timer: Timer, rates_now: AC.Rates, log: Row
 
 # -- rates measured in this run -------------------------------------------------------------
 
-def measure_rates(m, proj, setups: dict, device: str, timer: Timer, log: RowLog) -> dict:
-    """RATE_KEYS (+ latent_flops_by_format) from single calls; {} entries stay out on failure."""
+RATE_C = {"cuda": 32768, "cpu": 2048}  # context rows the rates are measured on
+RATE_T = {"cuda": 256, "cpu": 64}  # query rows
+
+
+def _attempt(out: dict, name: str, fn, log: RowLog, **row) -> None:
+    try:
+        out[name] = fn()
+        print(f"  rate {name}: {out[name]:.4g}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - the other rates still count
+        log.fail(dict(row, path=f"rate:{name}"), exc)
+
+
+def measure_common_rates(m, proj, device: str, timer: Timer, log: RowLog) -> dict:
+    """bytes_per_s, launch_s, gemm_flops and attention_flops from single calls (first,
+    so that a run cut short by its time cap still has them)."""
     out: dict = {}
-    C = min(32768 if device == "cuda" else 2048, max(s.C for s in setups.values()))
-    T = 256 if device == "cuda" else 64
+    C, T = RATE_C[device], RATE_T[device]
     N, L, R, P, V = m.num_heads, m.L, m.R, m.P, m.V
     dt = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(5)
-
-    def attempt(name, fn):
-        try:
-            out[name] = fn()
-            print(f"  rate {name}: {out[name]:.4g}", flush=True)
-        except Exception as exc:  # noqa: BLE001 - the other rates still count
-            log.fail(dict(path=f"rate:{name}"), exc)
-
     nbytes = (256 if device == "cuda" else 64) << 20
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    attempt("bytes_per_s", lambda: 2 * nbytes / timer(lambda: dst.copy_(src)))
+    _attempt(out, "bytes_per_s", lambda: 2 * nbytes / timer(lambda: dst.copy_(src)), log)
     del src, dst
     one = torch.zeros(1, device=device)
-    attempt("launch_s", lambda: timer(lambda: one.add_(1)))
-    x = torch.randn(C, L + R, generator=gen, device=device).to(dt)[:, :L]
-    attempt("gemm_flops", lambda: 2 * C * L * N * (P + V) / timer(lambda: proj(x)))
+    _attempt(out, "launch_s", lambda: timer(lambda: one.add_(1)), log)
+    x = torch.randn(C, L + R, generator=gen, device=device).to(dt)[:, :L]  # the workspace view
+    _attempt(out, "gemm_flops", lambda: 2 * C * L * N * (P + V) / timer(lambda: proj(x)), log)
     kv = proj(x).view(C, N, P + V)
     k_pe = torch.randn(C, R, generator=gen, device=device).to(dt)
     q = torch.randn(T, N, P + R, generator=gen, device=device).to(dt)
     cq = torch.tensor([0, T], dtype=torch.int32, device=device)
     ck = torch.tensor([0, C], dtype=torch.int32, device=device)
-    attempt("attention_flops", lambda: 2 * T * C * N * (P + R + V) / timer(
-        lambda: varlen_attention(q, kv[..., :P], kv[..., P:], cq, ck, T, C, 0.1, False, k_rope=k_pe)))
-    by_fmt = {}
-    for fmt, s in setups.items():
-        if s.C < C:
-            continue
-        table = s.batch0.block_table
-        q_lat = torch.randn(N, T, L, generator=gen, device=device).to(dt) / math.sqrt(L)
-        q_pe = torch.randn(T, N, R, generator=gen, device=device).to(dt)
-        starts = torch.zeros(1, dtype=torch.int32, device=device)
-        scale = s.k_scale if s.k_scale is not None else torch.ones(1, device=device)
-        try:
-            t = timer(lambda: A.latent_context_attention(q_lat, q_pe, s.cache, fmt, table, cq, ck, starts, scale,
-                                                         0.1, q_offsets=[0, T], ctx_offsets=[0, C]))
-            by_fmt[get_format(fmt).name] = 2 * T * C * N * (2 * L + R) / t
-            print(f"  rate latent_flops[{fmt}]: {by_fmt[get_format(fmt).name]:.4g}", flush=True)
-        except Exception as exc:  # noqa: BLE001
-            log.fail(dict(kv_cache_dtype=fmt, path="rate:latent_flops"), exc)
+    _attempt(out, "attention_flops", lambda: 2 * T * C * N * (P + R + V) / timer(
+        lambda: varlen_attention(q, kv[..., :P], kv[..., P:], cq, ck, T, C, 0.1, False, k_rope=k_pe)), log)
+    return out
+
+
+def measure_latent_rate(m, setup: "Setup", timer: Timer, log: RowLog, out: dict) -> None:
+    """The latent kernel's FLOP/s on this format's cache (its first min(C, RATE_C) tokens)
+    into out["latent_flops_by_format"] (and out["latent_flops"]: fp8_ds_mla's, else the best)."""
+    device = setup.device
+    C, T = min(RATE_C[device], setup.C), RATE_T[device]
+    N, L, R = m.num_heads, m.L, m.R
+    gen = torch.Generator(device=device).manual_seed(6)
+    q_lat = (torch.randn(N, T, L, generator=gen, device=device) / math.sqrt(L)).to(torch.bfloat16)
+    q_pe = torch.randn(T, N, R, generator=gen, device=device).to(torch.bfloat16)
+    cq = torch.tensor([0, T], dtype=torch.int32, device=device)
+    ck = torch.tensor([0, C], dtype=torch.int32, device=device)
+    starts = torch.zeros(1, dtype=torch.int32, device=device)
+    scale = setup.k_scale if setup.k_scale is not None else torch.ones(1, device=device)
+    name = get_format(setup.fmt).name
+    by_fmt = out.setdefault("latent_flops_by_format", {})
+    _attempt(by_fmt, name, lambda: 2 * T * C * N * (2 * L + R) / timer(
+        lambda: A.latent_context_attention(q_lat, q_pe, setup.cache, setup.fmt, setup.batch0.block_table, cq, ck,
+                                           starts, scale, 0.1, q_offsets=[0, T], ctx_offsets=[0, C])),
+             log, kv_cache_dtype=setup.fmt)
     if by_fmt:
         out["latent_flops"] = by_fmt.get("fp8_ds_mla", max(by_fmt.values()))
-        out["latent_flops_by_format"] = by_fmt
-    return out
+    else:
+        out.pop("latent_flops_by_format")
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -320,6 +330,7 @@ def main(argv=None) -> int:
         proj = kv_b_proj(m, device)
         # The CPU runs head-space attention through the torch backend (as bench_prefill).
         with (ATTENTION.force("torch") if device == "cpu" else contextlib.nullcontext()):
+            measured = measure_common_rates(m, proj, device, timer, log)
             for fmt in formats:
                 for C in contexts:
                     try:
@@ -327,8 +338,9 @@ def main(argv=None) -> int:
                     except Exception as exc:  # noqa: BLE001 - the next size may still run
                         log.fail(dict(kv_cache_dtype=fmt, context=C, path="setup"), exc)
                         continue
-                    if fmt not in setups or C <= 32768:
-                        setups[fmt] = setup  # the rates use a C <= 32K setup where there is one
+                    if fmt not in setups:
+                        setups[fmt] = setup  # the report reads the format's dims from it
+                        measure_latent_rate(m, setup, timer, log, measured)
                     for T in news:
                         try:
                             case = bench_case(setup, T, timer, rates_now, log)
@@ -342,7 +354,6 @@ def main(argv=None) -> int:
                                   f"{ab['model_abs_ms'] / ab['model_up_ms']:.2f}x)", flush=True)
                     if setups.get(fmt) is not setup:
                         del setup
-            measured = measure_rates(m, proj, setups, device, timer, log)
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: reporting the rows measured so far", flush=True)
