@@ -80,7 +80,10 @@ SWEEP_N = [4096, 32768]
 SWEEP_M = [1 << i for i in range(15)]  # 1 .. 16,384
 CPU_SWEEP_N = [256]
 CPU_SWEEP_M = [1, 4, 16, 64]
-CPU_NATIVE = ("dequant_dense", "scaled_mm_fp8", "scaled_mm_block", "marlin_w8a16")
+CPU_NATIVE = ("dequant_dense", "scaled_mm_fp8", "scaled_mm_block", "marlin_w8a16", "marlin_w8a16_v1")
+# The new kernels and the first ones they replace (kept as backends until measured).
+NEW_VS_OLD = {"marlin_w8a16": "marlin_w8a16_v1", "triton_w4a16": "triton_w4a16_v1"}
+SPLIT_LABEL = "marlin_w8a16[split={}]"  # --splits rows: the v2 Marlin kernel with a forced split-K
 FP8_COMPUTE = ("scaled_mm_block", "triton_fp8_block", "scaled_mm_fp8")  # W8A8: fp8 tensor-core peak
 DENSE = "dequant_dense"
 MAX_MEAN_REL = 0.06
@@ -279,7 +282,40 @@ def run(args, log: RowLog, limits: dict) -> None:
                     print(f"N={n:6d} M={m:6d} {recipe:16s} {label:28s} {r['time_us']:10.1f} us "
                           f"{r['tflops']:8.2f} TFLOP/s  x{r['ratio_vs_cublas_bf16']:.2f} vs bf16  "
                           f"{r['x_floor']:.2f}x floor", flush=True)
+                if args.splits and "marlin_w8a16" in cands:
+                    _split_rows(args, layer, x, ref, row0, t_ref, flop, elt, limits, timer, log)
                 del ref
+
+
+def _split_rows(args, layer, x, ref, row0, t_ref, flop, elt, limits, timer, log) -> None:
+    """--splits: the v2 Marlin kernel with each forced split-K (rows SPLIT_LABEL), to
+    check the automatic split against its neighbours. Not backends: the dispatch
+    table and the misses ignore them."""
+    from mla_ext.kv_b_proj.marlin import marlin_fp8_gemm
+
+    packed = layer.weight_format.packed
+    for s in args.splits:
+        row = dict(row0, backend=SPLIT_LABEL.format(s))
+        try:
+            def call():
+                return marlin_fp8_gemm(x, packed, out_dtype=layer.params_dtype, split_k=s)
+
+            err = mean_rel_err(call(), ref)
+            if not err <= MAX_MEAN_REL:
+                log.fail(dict(row, mean_rel_err=_sig(err)), f"mean|out - ref| / mean|ref| = {err:.3g}", "mismatch")
+                continue
+            t = timer(call)
+        except Exception as exc:  # noqa: BLE001
+            log.fail(row, exc)
+            continue
+        fl = floor_seconds("marlin_w8a16", layer, x.shape[0], elt, limits)
+        log.add(dict(row, time_us=_sig(t * 1e6), tflops=_sig(flop / t / 1e12), ratio_vs_cublas_bf16=_sig(t_ref / t),
+                     floor_us=_sig(fl * 1e6), x_floor=_sig(t / fl), mean_rel_err=_sig(err)))
+
+
+def _is_backend(label: str) -> bool:
+    """A row of a registered backend (forced), not dispatch:* or a --splits variant."""
+    return not label.startswith("dispatch:") and "[" not in label
 
 
 # -- reading the rows -----------------------------------------------------------
@@ -345,7 +381,7 @@ def dispatch_misses(rows: list[dict]) -> list[str]:
     for n, fmt, m in sorted({(r["N"], r["format"], r["M"]) for r in ok}):
         sel = [r for r in ok if (r["N"], r["format"], r["M"]) == (n, fmt, m)]
         disp = [r for r in sel if r["backend"].startswith("dispatch:")]
-        forced = [r for r in sel if not r["backend"].startswith("dispatch:")]
+        forced = [r for r in sel if _is_backend(r["backend"])]
         if disp and forced:
             best = min(forced, key=lambda r: r["time_us"])
             if disp[0]["time_us"] > 1.05 * best["time_us"]:
@@ -378,6 +414,33 @@ def big_m(rows: list[dict]) -> list[str]:
     return out
 
 
+def new_vs_old(rows: list[dict], sm_count: int = 0) -> list[str]:
+    """Each new kernel beside the first one it replaces (NEW_VS_OLD), per (N, format,
+    M) where both were measured: times and the speedup; for Marlin the v2 plan
+    (CTA tile, split-K on `sm_count` SMs) and the fastest --splits row if any."""
+    from mla_ext.kv_b_proj.marlin import plan_v2
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    out = []
+    for n, fmt, m in sorted({(r["N"], r["format"], r["M"]) for r in ok}):
+        sel = {r["backend"]: r for r in ok if (r["N"], r["format"], r["M"]) == (n, fmt, m)}
+        for new, old in NEW_VS_OLD.items():
+            if new not in sel or old not in sel:
+                continue
+            t_new, t_old = sel[new]["time_us"], sel[old]["time_us"]
+            line = (f"N={n} M={m} {fmt}: {new} {t_new:.4g} us vs {old} {t_old:.4g} us: x{t_old / t_new:.2f}"
+                    f" (x{sel[new]['ratio_vs_cublas_bf16']} vs cuBLAS bf16, old x{sel[old]['ratio_vs_cublas_bf16']})")
+            if new == "marlin_w8a16":
+                p = plan_v2(m, n, sel[new].get("K", K), 128 if fmt.endswith("g128") else -1, sm_count)
+                line += f"; v2 tile {16 * p.mb}x{32 * p.ws}, split {p.split} on {sm_count or 'no'} SMs"
+                splits = {b: r["time_us"] for b, r in sel.items() if b.startswith("marlin_w8a16[")}
+                if splits:
+                    best = min(splits, key=splits.get)
+                    line += f"; fastest forced split {best} {splits[best]:.4g} us"
+            out.append(line)
+    return out
+
+
 def side_by_side(rows: list[dict], min_m: int = BIG_M) -> list[str]:
     """At M >= min_m: every backend of each (N, format, M) on one line, fastest first:
     time, speed vs cuBLAS bf16 and multiple of the roofline floor."""
@@ -396,7 +459,7 @@ def table_entries(rows: list[dict], dtype: torch.dtype) -> dict:
     (weight format, dtype, K, N, M bucket) the backends fastest first. Recipes sharing a
     weight format (fp8 per-tensor / per-channel) count with their slowest time; several
     measured M in one bucket: the largest."""
-    ok = [r for r in rows if r["status"] == "ok" and not r["backend"].startswith("dispatch:")
+    ok = [r for r in rows if r["status"] == "ok" and _is_backend(r["backend"])
           and r.get("weight_format") and isinstance(r.get("time_us"), float)]
     groups: dict[str, dict] = {}
     for r in ok:
@@ -432,7 +495,8 @@ def write_table(rows: list[dict], args, path: str) -> str:
     return f"dispatch table: {len(entries)} entries for {device_name(device)} -> {path}"
 
 
-def report(rows: list[dict], is_gpu: bool, max_misses: int = 20, limits: dict | None = None) -> list[str]:
+def report(rows: list[dict], is_gpu: bool, max_misses: int = 20, limits: dict | None = None,
+           sm_count: int = 0) -> list[str]:
     lines = []
     if limits:
         lines.append(limits_line(limits))
@@ -453,6 +517,10 @@ def report(rows: list[dict], is_gpu: bool, max_misses: int = 20, limits: dict | 
         lines += ["  " + s for s in (side_by_side(rows) or ["no row at M >= 8192"])]
     else:
         lines.append("  not evaluated: CPU timings on shared cores say nothing about the GPU goals")
+    lines.append("new kernels beside the first ones (x = old time / new time):")
+    lines += ["  " + s for s in (new_vs_old(rows, sm_count) or ["no (new, old) pair measured"])]
+    if not is_gpu:
+        lines.append("  (CPU: the Marlin rows are the packed-layout reference, timings say nothing about the GPU)")
     bad = [r for r in rows if r["status"] != "ok"]
     lines.append(f"rows: {len(rows)} measured, {len(bad)} failed (status/error columns of the CSV)")
     return lines
@@ -495,6 +563,8 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=sorted(W.RECIPES), choices=sorted(W.RECIPES))
     p.add_argument("--no-flush", action="store_true", help="do not scrub L2 between calls")
     p.add_argument("--table", help="dispatch table to write/merge (default DIR/dispatch_table_<device>.json)")
+    p.add_argument("--splits", type=int, nargs="*", default=[],
+                   help="also time the v2 Marlin kernel with each of these forced split-K values")
     args = p.parse_args(argv)
     gpu = torch.device(args.device).type == "cuda"
     if args.sweep:
@@ -515,7 +585,8 @@ def main(argv=None) -> int:
         print("\ninterrupted: reporting the rows measured so far", flush=True)
     except Exception as exc:  # noqa: BLE001 - report what was measured before the failure
         log.fail(dict(device=tag, backend="run"), exc)
-    lines = report(log.rows, gpu, limits=limits)
+    sms = torch.cuda.get_device_properties(torch.device(args.device)).multi_processor_count if gpu else 0
+    lines = report(log.rows, gpu, limits=limits, sm_count=sms)
     try:
         lines.append(write_table(log.rows, args, args.table or os.path.join(args.out, f"dispatch_table_{tag}.json")))
     except Exception as exc:  # noqa: BLE001 - the CSV and the report matter more

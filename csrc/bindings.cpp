@@ -751,10 +751,13 @@ at::Tensor marlin_fp8_dequantize(const at::Tensor& qweight, const at::Tensor& sc
 }
 
 // C[M, N] = a[M, K] · dequant(W)^T. `a` may be a row-strided view (stride(0) >= K,
-// stride(1) == 1). CPU: the packed-layout reference; CUDA: the mma.sync kernel.
+// stride(1) == 1). CPU: the packed-layout reference; CUDA: the mma.sync kernel,
+// version 2 (split-K, marlin_fp8_gemm_v2.cu; split_k 0 = chosen from the shapes
+// and the SM count) or version 1 (marlin_fp8_gemm.cu, no split). On the CPU the
+// reference reproduces version 2's slicing (split_k 0 there: one slice).
 at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Tensor& scales, int64_t N,
                            int64_t K, int64_t group_size, c10::ScalarType act_dtype,
-                           std::optional<c10::ScalarType> out_dtype) {
+                           std::optional<c10::ScalarType> out_dtype, int64_t version, int64_t split_k) {
   const mf::ActKind act = marlin_act_kind(act_dtype, "act_dtype");
   marlin_check_packed(qweight, scales, N, K, group_size, act_dtype);
   TORCH_CHECK_VALUE(a.scalar_type() == act_dtype, "a: expected dtype ", act_dtype,
@@ -766,6 +769,12 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   const c10::ScalarType odt = out_dtype.value_or(act_dtype);
   TORCH_CHECK_VALUE(odt == at::kBFloat16 || odt == at::kHalf || odt == at::kFloat,
                     "out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got ", odt);
+  TORCH_CHECK_VALUE(version == 1 || version == 2, "version: expected 1 or 2 (the Marlin GEMM kernel), got ",
+                    version);
+  TORCH_CHECK_VALUE(split_k >= 0 && split_k <= mf::kV2MaxSplit, "split_k: expected 0 (automatic) to ",
+                    mf::kV2MaxSplit, ", got ", split_k);
+  TORCH_CHECK_VALUE(version == 2 || split_k == 0, "split_k: version 1 has no split-K (expected 0), got ",
+                    split_k);
   const int64_t M = a.size(0);
   mf::GemmParams p{};
   p.a = reinterpret_cast<const uint16_t*>(a.data_ptr());
@@ -774,6 +783,8 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   p.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   p.M = M, p.N = N, p.K = K, p.group_size = group_size, p.act = act;
   if (a.is_cpu()) {
+    // No SM count on the CPU: split_k 0 is one slice (v1's summation order).
+    p.slice_tiles = version == 2 ? mf::plan_v2(M, N, K, group_size, 0, split_k).slice_tiles : 0;
     at::Tensor c = at::empty({M, N}, a.options().dtype(at::kFloat));
     p.c = c.data_ptr<float>();
     p.ldc = N;
@@ -793,7 +804,22 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   p.ldc = N;
   p.out = odt == at::kFloat ? mf::OutKind::kFp32 : (odt == at::kHalf ? mf::OutKind::kFp16 : mf::OutKind::kBf16);
   c10::cuda::CUDAGuard guard(a.device());
-  marlin_check_launch(mf::marlin_fp8_gemm_cuda(p, c10::cuda::getCurrentCUDAStream().stream()), "marlin_fp8_gemm");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (version == 1) {
+    marlin_check_launch(mf::marlin_fp8_gemm_cuda(p, stream), "marlin_fp8_gemm");
+    return c;
+  }
+  const mf::GemmV2Plan plan =
+      mf::plan_v2(M, N, K, group_size, mf::marlin_fp8_device_sm_count(a.device().index()), split_k);
+  p.slice_tiles = plan.slice_tiles;
+  at::Tensor workspace, counters;  // split-K partials and per-tile tickets (graph-safe: allocator + memset)
+  if (plan.split > 1 && M > 0) {
+    workspace = at::empty({plan.workspace_floats}, a.options().dtype(at::kFloat));
+    counters = at::zeros({plan.counters}, a.options().dtype(at::kInt));
+    p.workspace = workspace.data_ptr<float>();
+    p.counters = counters.data_ptr<int32_t>();
+  }
+  marlin_check_launch(mf::marlin_fp8_gemm_v2_cuda(p, plan, stream), "marlin_fp8_gemm");
   return c;
 #else
   TORCH_CHECK_VALUE(false, "a: expected a CPU tensor (built without CUDA), got ", a.device());
@@ -808,7 +834,7 @@ TORCH_LIBRARY_FRAGMENT(mla_ext, m) {
   m.def("marlin_fp8_dequantize(Tensor qweight, Tensor scales, int N, int K, int group_size, "
         "ScalarType act_dtype) -> Tensor");
   m.def("marlin_fp8_gemm(Tensor a, Tensor qweight, Tensor scales, int N, int K, int group_size, "
-        "ScalarType act_dtype, ScalarType? out_dtype=None) -> Tensor");
+        "ScalarType act_dtype, ScalarType? out_dtype=None, int version=2, int split_k=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mla_ext, CPU, m) {

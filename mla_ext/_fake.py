@@ -88,7 +88,8 @@ def _marlin_fp8_dequantize_fake(qweight, scales, N, K, group_size, act_dtype):
 
 
 @torch.library.register_fake("mla_ext::marlin_fp8_gemm")
-def _marlin_fp8_gemm_fake(a, qweight, scales, N, K, group_size, act_dtype, out_dtype=None):
+def _marlin_fp8_gemm_fake(a, qweight, scales, N, K, group_size, act_dtype, out_dtype=None, version=2, split_k=0):
+    # version / split_k pick the CUDA kernel and its split-K; the output is the same.
     _one_device("marlin_fp8_gemm", a=a, qweight=qweight, scales=scales)
     return a.new_empty((a.shape[0], N), dtype=out_dtype or act_dtype)
 

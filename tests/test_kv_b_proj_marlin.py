@@ -334,6 +334,43 @@ def test_gemm_cpu_row_strided_activation(act, group_size):
     torch.testing.assert_close(out, marlin_fp8_gemm(a.contiguous(), p, out_dtype=torch.float32))
 
 
+@pytest.mark.parametrize("act", ACT)
+@pytest.mark.parametrize("group_size", [-1, 128])
+@pytest.mark.parametrize("split_k", [1, 2, 3, 5, 16])
+def test_gemm_cpu_split_k_slices_match_dense(act, group_size, split_k):
+    """The CPU reference reproduces the v2 kernel's split-K order (per-slice group
+    partials, slices added in order): any split is the same GEMM."""
+    n, k, m = 200, 512, 9
+    w, s, gen = _case(n, k, group_size, seed=split_k * 10 + group_size)
+    p = marlin_fp8_repack(w, s, act, group_size)
+    a = torch.randn(m, k, generator=gen).to(act)
+    ref = a.float() @ _ref_weight(w, s, group_size, act).t()
+    out = marlin_fp8_gemm(a, p, out_dtype=torch.float32, split_k=split_k)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    one = marlin_fp8_gemm(a, p, out_dtype=torch.float32, split_k=1)
+    assert torch.equal(one, marlin_fp8_gemm(a, p, out_dtype=torch.float32, version=1))
+
+
+@pytest.mark.parametrize("kw, match, raw_match", [
+    (dict(version=3), r"version: expected 1 or 2", r"version: expected 1 or 2 \(the Marlin GEMM kernel\)"),
+    (dict(version=True), r"version: expected 1 or 2", None),
+    (dict(split_k=-1), r"split_k: expected an int from 0", r"split_k: expected 0 \(automatic\) to 64"),
+    (dict(split_k=65), r"split_k: expected an int from 0", r"split_k: expected 0 \(automatic\) to 64"),
+    (dict(split_k=2.0), r"split_k: expected an int from 0", None),
+    (dict(version=1, split_k=2), r"split_k: version 1 has no split-K", r"split_k: version 1 has no split-K"),
+])
+def test_gemm_version_and_split_k_are_checked(kw, match, raw_match):
+    w, s = _small()
+    p = marlin_fp8_repack(w, s, torch.bfloat16)
+    a = torch.randn(4, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        marlin_fp8_gemm(a, p, **kw)
+    if raw_match is not None:  # the op checks them too
+        with pytest.raises(ValueError, match=raw_match):
+            _ext.ops().marlin_fp8_gemm(a, p.qweight, p.scales, p.N, p.K, p.group_size, p.act_dtype, None,
+                                       kw.get("version", 2), kw.get("split_k", 0))
+
+
 def test_gemm_cpu_empty_m():
     w = _rand_fp8(64, 128, torch.Generator().manual_seed(1))
     p = marlin_fp8_repack(w, torch.ones(64), torch.bfloat16)
@@ -424,6 +461,9 @@ def test_fake_kernels_opcheck():
     a = torch.randn(9, 256, generator=gen).to(torch.bfloat16)
     ops = _ext.ops()
     torch.library.opcheck(ops.marlin_fp8_gemm, (a, p.qweight, p.scales, 200, 256, 128, torch.bfloat16, None))
+    for version, split_k in ((1, 0), (2, 3)):
+        torch.library.opcheck(ops.marlin_fp8_gemm, (a, p.qweight, p.scales, 200, 256, 128, torch.bfloat16,
+                                                    torch.float32, version, split_k))
     torch.library.opcheck(ops.marlin_fp8_dequantize, (p.qweight, p.scales, 200, 256, 128, torch.bfloat16))
 
 
@@ -484,14 +524,20 @@ def test_cuda_gemm_graph_capturable():
 @pytest.mark.cuda
 @pytest.mark.parametrize("act", ACT)
 @pytest.mark.parametrize("k", [16, 48, 1024])
-def test_cuda_gemm_short_and_long_k(act, k):
-    """K=16/48: some warps own no k-tile and the pipeline never fills; K=1024 wraps it often."""
+@pytest.mark.parametrize("version, split_k", [(1, 0), (2, 0), (2, 2)])
+def test_cuda_gemm_short_and_long_k(act, k, version, split_k):
+    """K=16/48: v1's warps own no k-tile / v2's stage is half full, no split possible, and the
+    pipeline never fills; K=1024 wraps it often (v2 with 2 slices: 32 k-tiles each)."""
+    from mla_ext.kv_b_proj.marlin import plan_v2
+
     n, m = 136, 19
     w, s, gen = _case(n, k, -1, seed=k)
     p = marlin_fp8_repack(w.cuda(), s.cuda(), act)
     a = torch.randn(m, k, generator=gen).to(act)
-    want = marlin_fp8_gemm(a, marlin_fp8_repack(w, s, act), out_dtype=torch.float32)
-    got = marlin_fp8_gemm(a.cuda(), p, out_dtype=torch.float32).cpu()
+    split = plan_v2(m, n, k, -1, torch.cuda.get_device_properties(0).multi_processor_count, split_k).split
+    want = marlin_fp8_gemm(a, marlin_fp8_repack(w, s, act), out_dtype=torch.float32,
+                           split_k=split if version == 2 else 0, version=version)
+    got = marlin_fp8_gemm(a.cuda(), p, out_dtype=torch.float32, version=version, split_k=split_k).cpu()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
@@ -557,3 +603,78 @@ def test_cuda_gemm_on_vllm_tensors_without_a_copy(act, group_size, m):
     ref = a.float() @ _ref_weight(w, s, group_size, act).t()
     torch.testing.assert_close(out32, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
     assert torch.equal(marlin_fp8_dequantize(fmt.packed, torch.float32).cpu(), _ref_weight(w, s, group_size, act))
+
+
+# ---------------------------------------------------------------------------
+# CUDA v2 kernel (split-K, multi-row-block tiles) against the CPU reference
+# ---------------------------------------------------------------------------
+
+
+def _cpu_and_cuda(m, n, k, group_size, act, seed, row_stride=None):
+    w, s, gen = _case(n, k, group_size, seed=seed)
+    pc = marlin_fp8_repack(w, s, act, group_size)
+    pg = marlin_fp8_repack(w.cuda(), s.cuda(), act, group_size)
+    ws = torch.randn(m, row_stride or k, generator=gen).to(act)
+    return pc, pg, ws[:, :k], ws.cuda()[:, :k]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act", ACT)
+@pytest.mark.parametrize("group_size", [-1, 128])
+@pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64, 65, 128, 300])  # every (mb, ws) tiling, several row tiles
+@pytest.mark.parametrize("split_k", [0, 1, 3, 8])
+def test_cuda_v2_gemm_matches_cpu_reference_with_the_same_split(act, group_size, m, split_k):
+    """N = 4160: not a multiple of any CTA's columns (64/128/256); row stride 576."""
+    n, k = 4160, 512
+    pc, pg, a_cpu, a_gpu = _cpu_and_cuda(m, n, k, group_size, act, seed=m + split_k + group_size, row_stride=576)
+    from mla_ext.kv_b_proj.marlin import plan_v2
+
+    plan = plan_v2(m, n, k, group_size, torch.cuda.get_device_properties(0).multi_processor_count, split_k)
+    want = marlin_fp8_gemm(a_cpu, pc, out_dtype=torch.float32, split_k=plan.split)  # the kernel's slicing
+    got = marlin_fp8_gemm(a_gpu, pg, out_dtype=torch.float32, split_k=split_k).cpu()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+    for odt in (act, torch.float32 if act == torch.float16 else torch.float16):
+        y = marlin_fp8_gemm(a_gpu, pg, out_dtype=odt, split_k=split_k).cpu()
+        assert y.dtype == odt and _rel_err(y, want) < 5e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act", ACT)
+@pytest.mark.parametrize("group_size", [-1, 128])
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_cuda_v1_and_v2_agree(act, group_size, m):
+    n, k = 4096, 512
+    _, pg, _, a = _cpu_and_cuda(m, n, k, group_size, act, seed=7 + m)
+    v1 = marlin_fp8_gemm(a, pg, out_dtype=torch.float32, version=1)
+    v2 = marlin_fp8_gemm(a, pg, out_dtype=torch.float32, version=2)
+    torch.testing.assert_close(v2, v1, rtol=1e-4, atol=1e-4 * v1.abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("split_k", [0, 5, 16])
+def test_cuda_v2_split_k_is_deterministic_and_the_counters_reset(split_k):
+    """The last slice sums the partials in slice order: bitwise equal results call
+    after call (the per-tile counters are reset by the kernel, workspace reused)."""
+    _, pg, _, a = _cpu_and_cuda(16, 4096, 512, 128, torch.bfloat16, seed=11)
+    first = marlin_fp8_gemm(a, pg, out_dtype=torch.float32, split_k=split_k)
+    for _ in range(5):
+        assert torch.equal(marlin_fp8_gemm(a, pg, out_dtype=torch.float32, split_k=split_k), first)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m, split_k", [(8, 0), (8, 8), (48, 0)])
+def test_cuda_v2_split_k_graph_capturable(m, split_k):
+    gen = torch.Generator().manual_seed(2)
+    w, s = _rand_fp8(4096, 512, gen), _rand_scales((4, 4096), gen)
+    p = marlin_fp8_repack(w.cuda(), s.cuda(), torch.bfloat16, 128)
+    a = torch.randn(m, 512, generator=gen).to(torch.bfloat16).cuda()
+    want = marlin_fp8_gemm(a, p, split_k=split_k)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = marlin_fp8_gemm(a, p, split_k=split_k)
+    for _ in range(3):  # replays reuse the captured workspace and counters
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

@@ -273,7 +273,95 @@ struct GemmParams {
   int64_t group_size;         // -1 per-channel, or 128
   ActKind act;
   OutKind out;
+  // Split-K (v2 GEMM and the CPU reference): k-tiles per slice (<= 0: all of K,
+  // one slice). Slice s covers k-tiles [s * slice_tiles, (s + 1) * slice_tiles).
+  int64_t slice_tiles;
+  // v2 CUDA only, when the plan has split > 1: fp32 partials
+  // [split, tiles, 16*mb x 64*np] and one zeroed int32 counter per output tile
+  // (GemmV2Plan::workspace_floats / counters); each tile's last slice to finish
+  // sums the partials in slice order and resets its counter to 0.
+  float* workspace;
+  int32_t* counters;
 };
+
+// ---------------------------------------------------------------------------
+// v2 GEMM tiling and split-K plan (marlin_fp8_gemm_v2.cu; the CPU reference
+// and the bindings use the same plan, so the CPU reproduces the slicing)
+// ---------------------------------------------------------------------------
+// A CTA (4 warps) computes 16*mb rows x 64*np columns over one K slice. Warps
+// split the columns: a warp owns ws 8-column sub-tiles (n8) of one 64-column
+// panel for all mb 16-row blocks, so each weight word is dequantized once per
+// CTA and feeds mb mma.sync. np = ws / 2 (4 warps x ws x 8 = 64 * np columns).
+// Accumulators per lane: 4 * mb * ws floats, twice that for grouped scales
+// (a per-group partial beside the scaled sum); v2_tiling keeps them at 64.
+// Grouped: (mb, ws) = (1, 8), (2, 4), (4, 2); per-channel: (1, 8), (2, 8), (4, 4).
+struct GemmV2Tiling {
+  int mb;  // 16-row blocks per CTA: 1, 2 or 4
+  int ws;  // n8 sub-tiles per warp: 2, 4 or 8
+  MLA_MARLIN_HD int np() const { return ws / 2; }
+  MLA_MARLIN_HD int rows() const { return 16 * mb; }
+  MLA_MARLIN_HD int cols() const { return 32 * ws; }
+};
+
+MLA_MARLIN_HD GemmV2Tiling v2_tiling(int64_t M, bool grouped) {
+  if (M <= 16) return {1, 8};
+  if (M <= 32) return {2, grouped ? 4 : 8};
+  return {4, grouped ? 2 : 4};
+}
+
+constexpr int kV2StageTiles = 2;  // k-tiles per pipeline stage (32 k)
+constexpr int kV2MaxSplit = 64;   // largest split-K the op accepts
+constexpr int kV2AutoMaxSplit = 16;
+constexpr int64_t kV2MaxGridY = 65535;  // row tiles per launch (more: further launches)
+
+struct GemmV2Plan {
+  GemmV2Tiling tiling;
+  int64_t n_ctiles;          // CTA column tiles: ceil(N_pad/64 / np)
+  int64_t m_tiles;           // CTA row tiles: ceil(M / (16 * mb))
+  int64_t k_tiles;           // K / 16
+  int64_t split;             // split-K slices (1: no workspace)
+  int64_t slice_tiles;       // k-tiles per slice, a multiple of kV2StageTiles (or all of K)
+  int64_t workspace_floats;  // split > 1: split * tiles * rows * cols (tiles of one launch)
+  int64_t counters;          // split > 1: tiles of one launch
+};
+
+// split_request: 0 = automatic (from the output tiles and sm_count; sm_count
+// <= 0, e.g. on the CPU, gives 1), else that many slices (clamped to the
+// k-tiles). Automatic: round(sm_count / tiles) slices, at most 16 and at
+// least two k-tiles each, so that a small-M GEMM (16 tiles at N = 4096) puts
+// a CTA on every SM. A slice length is a multiple of the 2-k-tile stage, so a
+// stage never holds two scale-group ends (groups are 8 k-tiles).
+MLA_MARLIN_HD GemmV2Plan plan_v2(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t sm_count,
+                                 int64_t split_request) {
+  GemmV2Plan pl{};
+  pl.tiling = v2_tiling(M, grouped_scales(K, group_size));
+  const int64_t n_tiles = padded_n(N) / kTileN;
+  pl.n_ctiles = (n_tiles + pl.tiling.np() - 1) / pl.tiling.np();
+  pl.m_tiles = (M + pl.tiling.rows() - 1) / pl.tiling.rows();
+  pl.k_tiles = K / kTileK;
+  const int64_t tiles = pl.n_ctiles * pl.m_tiles;
+  int64_t s = split_request;
+  if (s <= 0) {
+    s = (sm_count > 0 && tiles > 0) ? (sm_count + tiles / 2) / tiles : 1;
+    if (s > kV2AutoMaxSplit) s = kV2AutoMaxSplit;
+    const int64_t by_k = pl.k_tiles / kV2StageTiles;
+    if (s > by_k) s = by_k;
+  }
+  if (s > kV2MaxSplit) s = kV2MaxSplit;
+  if (s < 1) s = 1;
+  int64_t len = (pl.k_tiles + s - 1) / s;
+  len = (len + kV2StageTiles - 1) / kV2StageTiles * kV2StageTiles;
+  if (len < 1) len = 1;
+  pl.split = len >= pl.k_tiles ? 1 : (pl.k_tiles + len - 1) / len;
+  pl.slice_tiles = pl.split == 1 ? pl.k_tiles : len;
+  if (pl.split > 1) {
+    // One launch's tiles (launches beyond kV2MaxGridY row tiles reuse it in stream order).
+    const int64_t launch_tiles = pl.n_ctiles * (pl.m_tiles < kV2MaxGridY ? pl.m_tiles : kV2MaxGridY);
+    pl.workspace_floats = pl.split * launch_tiles * pl.tiling.rows() * pl.tiling.cols();
+    pl.counters = launch_tiles;
+  }
+  return pl;
+}
 
 struct DequantParams {
   const uint32_t* qweight;
@@ -300,7 +388,12 @@ void marlin_fp8_gemm_cpu(const GemmParams& p);
 // the device's arch).
 int marlin_fp8_repack_cuda(const RepackParams& p, void* stream);
 int marlin_fp8_dequantize_cuda(const DequantParams& p, void* stream);
-int marlin_fp8_gemm_cuda(const GemmParams& p, void* stream);
+int marlin_fp8_gemm_cuda(const GemmParams& p, void* stream);  // v1: 64-column CTAs, no split-K
+// v2 (split-K, multi-row-block CTAs): `plan` from plan_v2; p.slice_tiles,
+// p.workspace and p.counters filled from it (workspace/counters only when split > 1).
+int marlin_fp8_gemm_v2_cuda(const GemmParams& p, const GemmV2Plan& plan, void* stream);
+// The SM count of a CUDA device (0 if it cannot be read); cached per device.
+int marlin_fp8_device_sm_count(int device);
 
 }  // namespace marlin_fp8
 }  // namespace mla_ext

@@ -1,4 +1,6 @@
-// W8A16 GEMM on the packed FP8 layout (vLLM's Marlin layout, marlin_fp8.h):
+// v1 W8A16 GEMM on the packed FP8 layout (vLLM's Marlin layout, marlin_fp8.h),
+// kept selectable (marlin_fp8_gemm(..., version=1)) beside v2
+// (marlin_fp8_gemm_v2.cu) until a GPU has measured both:
 //   C[M, N] = A[M, K] · (decode(W) · scale)^T,  A bf16/fp16 with row stride lda >= K.
 //
 // Small-M design (M <= 16 is weight-bandwidth bound): one CTA per 64-column
@@ -16,11 +18,7 @@
 // 16-row blocks (grid.y); large M is compute-bound and meant for the
 // dequantize-once + 16-bit GEMM path. Needs sm_80+ (cp.async, bf16 mma); no
 // fp8 mma is used, so it runs on sm_86.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include "kv_b_proj/marlin_fp8.h"
+#include "kv_b_proj/marlin_fp8_device.cuh"
 
 namespace mla_ext {
 namespace marlin_fp8 {
@@ -32,50 +30,12 @@ constexpr int kStages = 4;
 constexpr int kRows = 16;  // rows of A per CTA (one m16 tile)
 constexpr int kMaxGridY = 65535;
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int src_size = valid ? 16 : 0;  // 0: zero-fill, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_size)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-template <ActKind kAct>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  if constexpr (kAct == ActKind::kBf16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-}
-
-template <typename OutT>
-__device__ __forceinline__ OutT from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-
-template <ActKind kAct>
-__device__ __forceinline__ float act_to_float(uint32_t h16) {
-  if constexpr (kAct == ActKind::kFp16) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(h16)));
-  } else {
-    return __uint_as_float(h16 << 16);
-  }
-}
+using dev::act_to_float;
+using dev::cp_async16;
+using dev::cp_async_commit;
+using dev::cp_async_wait;
+using dev::from_float;
+using dev::mma_16816;
 
 // The lane's 16 scales (two runs of 8, see lane_scale_run) -> sc[j][e] in fp32.
 template <ActKind kAct, bool kGrouped>
@@ -91,6 +51,7 @@ __device__ __forceinline__ void unpack_scales(const uint4& r0, const uint4& r1, 
 }
 
 template <ActKind kAct, typename OutT>
+// register budget: 128
 __global__ void __launch_bounds__(kThreads) marlin_fp8_gemm_kernel(GemmParams p) {
   // Per-warp pipelines: weight tiles (1 KiB) and A tiles (16x16, 512 B).
   __shared__ __align__(16) uint32_t s_w[kWarps][kStages][kWordsPerTile];

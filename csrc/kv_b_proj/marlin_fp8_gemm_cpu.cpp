@@ -1,8 +1,9 @@
 // The packed-layout CPU reference GEMM: reads qweight with the same index math
-// and bit-shift dequant as the CUDA kernel (marlin_fp8.h) and computes
+// and bit-shift dequant as the CUDA kernels (marlin_fp8.h) and computes
 // C = A · (W · scale)^T in fp32, applying each group's scale to that group's
-// partial sum exactly as the kernel does. It is the proof of the packing on
-// the CPU, not a fast path.
+// partial sum and adding split-K slices in slice order exactly as the v2
+// kernel does (p.slice_tiles from plan_v2; one slice = v1's order). It is the
+// proof of the packing on the CPU, not a fast path.
 #include <vector>
 
 #include "kv_b_proj/marlin_fp8.h"
@@ -12,7 +13,12 @@ namespace marlin_fp8 {
 
 void marlin_fp8_gemm_cpu(const GemmParams& p) {
   const int64_t gk = p.group_size > 0 ? p.group_size : p.K;
-  const int64_t groups = p.K / gk;
+  const int64_t k_tiles = p.K / kTileK;
+  // Split-K as the v2 kernel slices it: slice s covers k-tiles
+  // [s * slice_tiles, (s + 1) * slice_tiles); inside a slice every scale group's
+  // part gets its own fp32 partial times the group scale; the slices' sums are
+  // added in slice order (slice_tiles <= 0: one slice, v1's order).
+  const int64_t slice_k = (p.slice_tiles > 0 && p.slice_tiles < k_tiles ? p.slice_tiles : k_tiles) * kTileK;
   float* c_out = static_cast<float*>(p.c);
   // Activations decoded once (row-strided source, lda >= K).
   std::vector<float> a(static_cast<size_t>(p.M * p.K));
@@ -23,13 +29,20 @@ void marlin_fp8_gemm_cpu(const GemmParams& p) {
                           [&](int64_t n, const float* w, const float* s) {
     for (int64_t m = 0; m < p.M; ++m) {
       const float* am = a.data() + m * p.K;
-      float acc = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) {
-        float part = 0.0f;
-        for (int64_t k = g * gk; k < (g + 1) * gk; ++k) part += am[k] * w[k];
-        acc += part * s[g];
+      float out = 0.0f;
+      for (int64_t k0 = 0; k0 < p.K; k0 += slice_k) {
+        const int64_t k1 = k0 + slice_k < p.K ? k0 + slice_k : p.K;
+        float acc = 0.0f;
+        for (int64_t ks = k0; ks < k1;) {  // the slice's part of group ks / gk
+          const int64_t ke = (ks / gk + 1) * gk < k1 ? (ks / gk + 1) * gk : k1;
+          float part = 0.0f;
+          for (int64_t k = ks; k < ke; ++k) part += am[k] * w[k];
+          acc += part * s[ks / gk];
+          ks = ke;
+        }
+        out += acc;
       }
-      c_out[m * p.ldc + n] = acc;
+      c_out[m * p.ldc + n] = out;
     }
   });
 }

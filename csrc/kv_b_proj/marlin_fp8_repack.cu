@@ -14,6 +14,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// register budget: 48
 __global__ void repack_words_kernel(const uint8_t* __restrict__ w, int64_t ldw, int64_t N, int64_t n_tiles,
                                     uint32_t* __restrict__ qweight, int64_t total_words) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total_words;
@@ -25,6 +26,7 @@ __global__ void repack_words_kernel(const uint8_t* __restrict__ w, int64_t ldw, 
   }
 }
 
+// register budget: 48
 __global__ void permute_scales_kernel(const uint16_t* __restrict__ s, int64_t N, int64_t n_pad, int64_t total,
                                       bool grouped, uint16_t* __restrict__ out) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
@@ -45,6 +47,7 @@ __device__ __forceinline__ float act_to_float(uint16_t h) {
 }
 
 template <ActKind kAct>
+// register budget: 48
 __global__ void dequant_kernel(DequantParams p, int64_t total_words) {
   const int64_t n_pad = padded_n(p.N), n_tiles = n_pad / kTileN;
   const int64_t gk = p.group_size > 0 ? p.group_size : p.K;

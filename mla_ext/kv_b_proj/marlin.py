@@ -194,20 +194,78 @@ def marlin_fp8_slice_rows(packed: MarlinFp8Packed, start: int, stop: int) -> Mar
     return MarlinFp8Packed(qweight, scales, stop - start, packed.K, packed.group_size, packed.act_dtype)
 
 
+GEMM_VERSIONS = (1, 2)
+MAX_SPLIT_K = 64  # kV2MaxSplit in csrc/kv_b_proj/marlin_fp8.h
+
+
 def marlin_fp8_gemm(
-    a: torch.Tensor, packed: MarlinFp8Packed, out_dtype: torch.dtype | None = None
+    a: torch.Tensor, packed: MarlinFp8Packed, out_dtype: torch.dtype | None = None, *,
+    version: int = 2, split_k: int = 0,
 ) -> torch.Tensor:
     """a [M, K] (dtype packed.act_dtype; row stride may exceed K, last dim contiguous) -> [M, N].
 
     out_dtype defaults to packed.act_dtype (bf16, fp16 or fp32 allowed).
+    version: the CUDA kernel, 2 (split-K, up to 64-row CTA tiles; the default)
+    or 1 (64-column CTAs, no split-K; kept until a GPU has measured both).
+    split_k (version 2): K slices, 0 = chosen from the output tiles and the SM
+    count (`plan_v2`); on the CPU, 0 is one slice and n reproduces the
+    kernel's n-slice summation order.
     """
     _require(a.dtype == packed.act_dtype,
              f"a: expected dtype {packed.act_dtype} (the dtype the weight was packed for), got {a.dtype}")
     _require(out_dtype is None or out_dtype in OUT_DTYPES,
              f"out_dtype: expected one of {OUT_DTYPES} or None, got {out_dtype}")
+    _require(type(version) is int and version in GEMM_VERSIONS, f"version: expected 1 or 2, got {version!r}")
+    _require(type(split_k) is int and 0 <= split_k <= MAX_SPLIT_K,
+             f"split_k: expected an int from 0 (automatic) to {MAX_SPLIT_K}, got {split_k!r}")
+    _require(version == 2 or split_k == 0, f"split_k: version 1 has no split-K (expected 0), got {split_k}")
     return _ext.ops().marlin_fp8_gemm(
-        a, packed.qweight, packed.scales, packed.N, packed.K, packed.group_size, packed.act_dtype, out_dtype
+        a, packed.qweight, packed.scales, packed.N, packed.K, packed.group_size, packed.act_dtype, out_dtype,
+        version, split_k,
     )
+
+
+@dataclass(frozen=True)
+class GemmV2Plan:
+    """The v2 kernel's tiling and split-K for one call (mirror of plan_v2 in
+    csrc/kv_b_proj/marlin_fp8.h; a test compiles the header and compares the two).
+
+    mb: 16-row blocks per CTA; ws: 8-column sub-tiles per warp (a CTA covers
+    16*mb rows x 32*ws columns); split: K slices of slice_tiles 16-k tiles
+    each; workspace_floats / counters: the split-K workspace of one launch."""
+
+    mb: int
+    ws: int
+    n_ctiles: int
+    m_tiles: int
+    k_tiles: int
+    split: int
+    slice_tiles: int
+    workspace_floats: int
+    counters: int
+
+
+def plan_v2(m: int, n: int, k: int, group_size: int, sm_count: int, split_k: int = 0) -> GemmV2Plan:
+    """The v2 GEMM plan (see GemmV2Plan) for an [m, k] x [n, k]^T call on a
+    device with `sm_count` SMs (0: no split unless `split_k` asks for one)."""
+    grouped = grouped_scales(k, group_size)
+    mb, ws = (1, 8) if m <= 16 else ((2, 4 if grouped else 8) if m <= 32 else (4, 2 if grouped else 4))
+    np_ = ws // 2
+    n_tiles = -(-n // TILE_N)
+    n_ct, m_t, k_t = -(-n_tiles // np_), -(-m // (16 * mb)), k // 16
+    tiles = n_ct * m_t
+    s = split_k
+    if s <= 0:
+        s = (sm_count + tiles // 2) // tiles if (sm_count > 0 and tiles > 0) else 1
+        s = min(s, 16, k_t // 2)
+    s = max(1, min(s, MAX_SPLIT_K))
+    length = -(-k_t // s)
+    length = max(1, -(-length // 2) * 2)
+    split = 1 if length >= k_t else -(-k_t // length)
+    slice_tiles = k_t if split == 1 else length
+    launch_tiles = n_ct * min(m_t, 65535)
+    ws_floats = split * launch_tiles * 16 * mb * 32 * ws if split > 1 else 0
+    return GemmV2Plan(mb, ws, n_ct, m_t, k_t, split, slice_tiles, ws_floats, launch_tiles if split > 1 else 0)
 
 
 def marlin_fp8_dequantize(packed: MarlinFp8Packed, out_dtype: torch.dtype | None = None) -> torch.Tensor:
