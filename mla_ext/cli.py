@@ -44,6 +44,8 @@ _MEMORY = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*")
 
 def parse_memory(text: str) -> int:
     """Bytes from '60GiB', '500MB', '1.5GiB' or '123' (SI and binary units, case-insensitive)."""
+    if not isinstance(text, str):
+        raise ValueError(f"--memory: expected a size string such as '60GiB', got {type(text).__name__}")
     m = _MEMORY.fullmatch(text)
     unit = m and _UNITS.get(m.group(2).lower())
     if not m or unit is None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_ext._args import check_int
+
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -136,6 +138,8 @@ class CacheFormat:
         return True
 
     def check_dims(self, L: int, R: int) -> None:
+        check_int(L, "L", minimum=1)
+        check_int(R, "R", minimum=0)
         if not self.supports_dims(L, R):
             if self.quant_mode == QuantMode.FP8_PER_TILE:
                 raise ValueError(
@@ -173,6 +177,8 @@ class CacheFormat:
         return None
 
     def cache_shape(self, num_blocks: int, block_size: int, L: int, R: int) -> tuple[int, int, int]:
+        check_int(num_blocks, "num_blocks", minimum=0)
+        check_int(block_size, "block_size", minimum=1)
         return (num_blocks, block_size, self.entry_elems(L, R))
 
 

@@ -89,6 +89,9 @@ def layer_index_from_prefix(prefix: str) -> int:
             f"prefix {prefix!r}: expected exactly one integer component (the layer index), "
             f"found {len(found)}; pass the layer index explicitly"
         )
+    if len(found[0]) > 9:  # no model has a billion layers; int() of 5,000 digits raises
+        raise ValueError(f"prefix {prefix[:80]!r}: layer index {found[0][:20]}... has {len(found[0])} "
+                         "digits; expected a layer index below 10**9")
     return int(found[0])
 
 

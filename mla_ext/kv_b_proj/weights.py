@@ -77,6 +77,10 @@ def _check_e4m3_weight(name: str, w: torch.Tensor) -> None:
                          f"(0x7F/0xFF), the first at [{row}, {col}]")
 
 
+def _check_tensor(t, name: str) -> None:
+    _require(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
 def _check_int_arg(name: str, value, minimum: int) -> int:
     _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
              f"{name}: expected an int >= {minimum}, got {value!r}")
@@ -151,6 +155,7 @@ class DenseWeight(WeightFormat):
     name = "dense"
 
     def __init__(self, weight: torch.Tensor):
+        _check_tensor(weight, "weight")
         _require(weight.dim() == 2, f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
         _require(weight.dtype in FLOAT_DTYPES, f"weight dtype must be one of {FLOAT_DTYPES}, got {weight.dtype}")
         self.weight = weight.contiguous()
@@ -178,6 +183,8 @@ class Fp8Weight(WeightFormat):
     name = "fp8"
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, params_dtype: torch.dtype):
+        _check_tensor(weight, "weight")
+        _check_tensor(weight_scale, "weight_scale")
         _require(weight.dim() == 2, f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
         _require(weight.dtype == torch.float8_e4m3fn, f"weight dtype must be torch.float8_e4m3fn, got {weight.dtype}")
         _check_e4m3_weight("weight", weight)
@@ -277,8 +284,10 @@ class Fp8BlockWeight(WeightFormat):
 
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                  params_dtype: torch.dtype, block_size=(128, 128), scale_layout: str = "linear"):
-        _require(tuple(block_size) == (ref.FP8_BLOCK, ref.FP8_BLOCK),
-                 f"block_size must be (128, 128), got {tuple(block_size)}")
+        _require(isinstance(block_size, (tuple, list)) and tuple(block_size) == (ref.FP8_BLOCK, ref.FP8_BLOCK),
+                 f"block_size: expected (128, 128), got {block_size!r}")
+        _check_tensor(weight, "weight")
+        _check_tensor(weight_scale_inv, "weight_scale_inv")
         _require(weight.dim() == 2, f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
         _require(weight.dtype == torch.float8_e4m3fn, f"weight dtype must be torch.float8_e4m3fn, got {weight.dtype}")
         _check_e4m3_weight("weight", weight)
@@ -482,6 +491,8 @@ def _round_up(x: int, m: int) -> int:
 
 def nvfp4_swizzled_scale_shape(n: int, k: int) -> tuple[int, int]:
     """(Mp, Kp) of the swizzled block scales of an [n, k] NVFP4 weight."""
+    _check_int_arg("n", n, 1)
+    _check_int_arg("k", k, ref.NVFP4_BLOCK)
     return _round_up(n, 128), _round_up(k // ref.NVFP4_BLOCK, 4)
 
 

@@ -54,6 +54,8 @@ from typing import Sequence
 
 import torch
 
+from mla_ext._args import as_device
+
 MAX_DEFAULT_WORKSPACE_ROWS = 64 * 1024
 # Token positions, row offsets (cu_seq_lens, cu_seqlens_q) and seq_starts reach
 # the kernels as int32: every context length, the workspace rows and the total
@@ -223,8 +225,11 @@ def host_to_device(values: Sequence[int], device: torch.device | str,
     buffer alive until the copy has run. Every per-batch metadata copy (chunk
     offsets, cu_seqlens_q, the context-parallel gather's offsets) goes through here.
     """
-    host = torch.tensor(values, dtype=dtype)
-    device = torch.device(device)
+    device = as_device(device)
+    try:
+        host = torch.tensor(values, dtype=dtype)
+    except (RuntimeError, OverflowError, TypeError) as exc:
+        raise ValueError(f"values: expected ints that fit {dtype}, got {str(values)[:80]} ({exc})") from None
     if device.type == "cpu":
         return host
     if device.type == "cuda":

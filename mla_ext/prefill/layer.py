@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mla_ext._args import as_device
 from mla_ext.attention.api import merge_attn_states, varlen_attention
 from mla_ext.attention.scratch import AttentionScratch
 from mla_ext.cache import api as cache_api
@@ -293,7 +294,7 @@ class MLAPrefill:
     def explain(self, device: torch.device | str | None = None) -> str:
         """The resolved per-layer plan, one fact per line."""
         s = self.spec
-        device = torch.device(device) if device is not None else self.kv_b_proj.device
+        device = as_device(device) if device is not None else self.kv_b_proj.device
         why = f" (skipped: {s.skip_reason})" if s.skipped else ""
         lines = [
             f"layer {s.layer_index}: kv_cache_dtype={s.kv_cache_dtype}{why}, "
@@ -319,7 +320,7 @@ class MLAPrefill:
 
     def explain_context(self, metadata: "PrefillMetadata", device: torch.device | str | None = None) -> str:
         """The path every context chunk of `metadata` takes on `device`, and why."""
-        device = torch.device(device) if device is not None else metadata.block_table.device
+        device = as_device(device) if device is not None else metadata.block_table.device
         return "\n".join([f"layer {self.layer_index}: context chunks on {device}"]
                          + self.context_attention.explain_chunks(self, metadata, device))
 
@@ -429,7 +430,9 @@ class MLAPrefill:
                 self._attn_scratch[device] = scratch
         return scratch
 
-    def _workspace(self, given: Tensor | None, device) -> Tensor:
+    def _workspace(self, given: Tensor | None, device, **inputs: Tensor) -> Tensor:
+        """The gather's destination: `given` (checked, and disjoint from every input
+        the layer still reads after a gather overwrites it) or a new buffer."""
         E = self.model.L + self.model.R
         if given is None:
             return torch.empty(self.workspace_rows, E, dtype=self.workspace_dtype, device=device)
@@ -442,6 +445,8 @@ class MLAPrefill:
                 + (f"{tuple(given.shape)} {given.dtype} on {given.device}" if isinstance(given, Tensor)
                    else type(given).__name__)
             )
+        for arg, t in inputs.items():
+            cache_checks.check_no_overlap(given, "workspace", t, arg)
         return given
 
     def _gather(self, kv_cache, workspace, metadata, c, t, scale) -> None:
@@ -586,7 +591,8 @@ class MLAPrefill:
         acc_o = torch.zeros(T, m.num_heads, m.V, dtype=dtype, device=device)
         acc_lse = torch.full((m.num_heads, T), float("-inf"), dtype=torch.float32, device=device)
         if plan.chunks:
-            workspace = self._workspace(workspace, device)
+            workspace = self._workspace(workspace, device, q=q, kv_c_normed=kv_c_normed, k_pe=k_pe,
+                                        kv_cache=kv_cache)
             scale = self._k_scale(k_scale if k_scale is not None else metadata.k_scale, device)
             for c in plan.chunks:
                 t = metadata.chunk_tensors(c, device)
