@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mla_ext._args import as_device, check_int
 from mla_ext.cache import checks
 from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
 from mla_ext.dispatch import Backend, Dispatcher, pow2_buckets
@@ -378,6 +379,8 @@ def _dtype_tag(dt: torch.dtype) -> str:
 
 def table_bucket(fmt: str, params_dtype: torch.dtype, act_dtype: torch.dtype, K: int, N: int, M: int) -> str:
     """The measurement-table key of one kv_b_proj call; M is rounded up to a power of two."""
+    for arg, value in (("K", K), ("N", N), ("M", M)):
+        check_int(value, arg, minimum=1)
     return (f"{fmt}/{_dtype_tag(params_dtype)}/x={_dtype_tag(act_dtype)}/K={K}/N={N}/"
             f"M={pow2_buckets(M, 0)[0]}")
 
@@ -527,6 +530,11 @@ class KvBProj:
                              f"fp8 weights, got {x.dtype}")
         if x.device != self.device:
             raise ValueError(f"x must be on {self.device}, got {x.device}")
+        if x_scale is not None and not isinstance(x_scale, torch.Tensor):
+            raise ValueError(f"x_scale: expected a one-element float tensor or None, got "
+                             f"{type(x_scale).__name__}")
+        if x_scale is not None and x_scale.device != x.device:
+            raise ValueError(f"x_scale: expected a tensor on {x.device} (x's device), got {x_scale.device}")
         if x_scale is not None and (x_scale.numel() != 1 or not x_scale.dtype.is_floating_point):
             raise ValueError(f"x_scale must be a one-element float tensor, got {x_scale.dtype} {tuple(x_scale.shape)}")
         if x_scale is not None and x_scale.device.type == "cpu":
@@ -558,12 +566,13 @@ class KvBProj:
 
     def backend_for(self, M: int, device=None, act_dtype: torch.dtype | None = None) -> str:
         _check_rows(M)
-        return DISPATCH.choose(self._inputs(M, device or self.device, act_dtype or self.params_dtype)).name
+        device = as_device(device or self.device)
+        return DISPATCH.choose(self._inputs(M, device, act_dtype or self.params_dtype)).name
 
     def explain(self, M: int, device=None, act_dtype: torch.dtype | None = None) -> str:
         """Which backend serves M rows, and why every other one does not."""
         _check_rows(M)
-        device = torch.device(device or self.device)
+        device = as_device(device or self.device)
         cap = _capability(device)
         head = (f"{self.weight_format.describe()} on {device}"
                 + (f" (sm_{cap[0]}{cap[1]})" if cap else "") + f", M={M}")
