@@ -4,16 +4,23 @@
 
 The gather is memory-bound, so it is reported as achieved bandwidth against a
 roofline measured in the same run (gpt-fast / Triton-tutorial style):
-  bytes moved = cache rows read (1152 B bf16, 576 B fp8, 656 B fp8_ds_mla per
-  token) + bf16 rows written (1152 B per token);
+  bytes moved = cache rows read (1152 B bf16, 576 B fp8, 656 B fp8_ds_mla,
+  352 B nvfp4_ds_mla per token) + bf16 rows written (1152 B per token);
+  "fp8_raw" is cp_gather_cache of fp8 rows (576 B read + 576 B written, no
+  dequant: the FP8-prefill / context-parallel passthrough);
   copy   = `dst.copy_(src)` of a contiguous buffer moving the same number of bytes
            (half read, half written): the practical ceiling;
   torch  = what a user writes without this library: `index_select` of each
            request's pages, slice the tokens, dequantize in torch;
-  then every usable backend of the op (C++ CPU, CUDA, Triton; Triton only on a
-  GPU: the interpreter measures Python, not a kernel).
-Columns: GB/s, % of copy bandwidth, speed-up vs the torch baseline. Each
+  then every usable backend of the op: on a GPU the new kernels beside the
+  ones they replace ("cuda_paged" / "cuda_rowwise", "triton_paged" /
+  "triton_rowwise"), on the CPU the C++ kernel (Triton only on a GPU: the
+  interpreter measures Python, not a kernel).
+Columns: GB/s, % of copy bandwidth, speed-up vs the torch baseline and, for a
+new kernel, vs the previous one (measured just before it, same inputs). Each
 backend's output is checked against the torch baseline before it is timed.
+MLA_EXT_PAGED_GATHER_ROUNDS=1..8 (read once per process) changes the rows per
+CTA of "cuda_paged" (default 2 batches of 4 16-byte units per thread).
 
 On a GPU: 8K, 64K and 300K context tokens, block sizes 16 and 64, timed with
 CUDA events and an L2 flush before every repetition (cold cache, as in a real
@@ -38,11 +45,15 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 from bench_common import RowLog, finish  # noqa: E402
 
 from mla_ext.cache import api  # noqa: E402
-from mla_ext.formats import DsMla, get_format  # noqa: E402
+from mla_ext.dispatch import is_triton_backend  # noqa: E402
+from mla_ext.formats import DsMla, Nvfp4DsMla, get_format  # noqa: E402
 
 L, R = 512, 64
 E = L + R
-FORMATS = ("bfloat16", "fp8", "fp8_e5m2", "fp8_ds_mla")
+FORMATS = ("bfloat16", "fp8", "fp8_e5m2", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_raw")
+RAW = "fp8_raw"  # cp_gather_cache of fp8 rows (bytes unchanged)
+# A new kernel and the one it replaces (both stay selectable until measured).
+PREVIOUS = {"cuda_paged": "cuda_rowwise", "triton_paged": "triton_rowwise"}
 NUM_REQS = 4  # the chunk is split over a few requests with unaligned starts
 K_SCALE = 0.0173
 
@@ -64,8 +75,15 @@ def make_cache(fmt: str, num_blocks: int, B: int, gen) -> torch.Tensor:
         scales = torch.exp2(torch.randint(-8, 2, (n, DsMla.NUM_TILES), generator=gen).float())
         rows[:, DsMla.SCALE_OFFSET:DsMla.ROPE_OFFSET] = scales.view(torch.uint8)
         rows[:, DsMla.ROPE_OFFSET:] = torch.randn(n, R, generator=gen).to(torch.bfloat16).view(torch.uint8)
+    elif fmt == "nvfp4_ds_mla":
+        rows = torch.empty(n, Nvfp4DsMla.ENTRY_BYTES, dtype=torch.uint8)
+        rows[:, :Nvfp4DsMla.ROPE_OFFSET] = torch.randint(0, 256, (n, Nvfp4DsMla.ROPE_OFFSET), generator=gen,
+                                                         dtype=torch.uint8)
+        rows[:, Nvfp4DsMla.ROPE_OFFSET:Nvfp4DsMla.SCALE_OFFSET] = _fp8_bytes(n, R, torch.float8_e4m3fn, gen)
+        rows[:, Nvfp4DsMla.SCALE_OFFSET:] = (torch.rand(n, Nvfp4DsMla.NUM_BLOCKS, generator=gen) * 4 + 0.01).to(
+            torch.float8_e4m3fn).view(torch.uint8)
     else:
-        rows = _fp8_bytes(n, E, get_format(fmt).fp8_dtype, gen)
+        rows = _fp8_bytes(n, E, get_format("fp8" if fmt == RAW else fmt).fp8_dtype, gen)
     return rows.view(num_blocks, B, -1)
 
 
@@ -87,6 +105,19 @@ def make_batch(tokens: int, B: int, gen):
     return num_blocks, table, cu, torch.tensor(starts, dtype=torch.int32), lens, starts
 
 
+_NVFP4_TABLES: dict = {}
+
+
+def _nvfp4_tables(device):
+    """e2m1 magnitudes and the block-scale byte positions, made once per device."""
+    if device not in _NVFP4_TABLES:
+        _NVFP4_TABLES[device] = (
+            torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=device),
+            torch.tensor([Nvfp4DsMla.scale_byte(b) for b in range(Nvfp4DsMla.NUM_BLOCKS)], device=device),
+        )
+    return _NVFP4_TABLES[device]
+
+
 def torch_baseline(cache, table, lens, starts, fmt, k_scale, dst):
     """The gather a user writes in torch: pages by index_select, then dequant."""
     B = cache.shape[1]
@@ -94,8 +125,18 @@ def torch_baseline(cache, table, lens, starts, fmt, k_scale, dst):
     for r, (n, s) in enumerate(zip(lens, starts)):
         k = -(-(s + n) // B)
         rows = cache.index_select(0, table[r, :k].long()).flatten(0, 1)[s:s + n]
-        if fmt == "bfloat16":
+        if fmt in ("bfloat16", RAW):
             out = rows
+        elif fmt == "nvfp4_ds_mla":
+            codes = rows[:, :Nvfp4DsMla.ROPE_OFFSET]
+            nib = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(n, L).long()
+            values, pos = _nvfp4_tables(rows.device)
+            mag = values[nib & 7]
+            e2m1 = torch.where(nib >= 8, -mag, mag).view(n, Nvfp4DsMla.NUM_BLOCKS, -1)
+            sc = rows[:, Nvfp4DsMla.SCALE_OFFSET:][:, pos].contiguous().view(torch.float8_e4m3fn).float()
+            kv = (e2m1 * sc[:, :, None]).view(n, L)
+            pe = rows[:, Nvfp4DsMla.ROPE_OFFSET:Nvfp4DsMla.SCALE_OFFSET].contiguous().view(torch.float8_e4m3fn)
+            out = torch.cat([kv, pe.float()], 1).to(torch.bfloat16)
         elif fmt == "fp8_ds_mla":
             vals = rows[:, :L].view(torch.float8_e4m3fn).float().view(n, DsMla.NUM_TILES, -1)
             sc = rows[:, DsMla.SCALE_OFFSET:DsMla.ROPE_OFFSET].contiguous().view(torch.float32)
@@ -145,12 +186,22 @@ class Timer:
 
 
 def usable_backends(inputs, device: str) -> list[str]:
-    skip = {"triton"} if device != "cuda" else set()  # the interpreter is not a benchmark
-    return [b.name for b in api.GATHER.backends
-            if b.name not in skip and not b.not_supported_reasons(inputs)]
+    """Usable gather backends, each previous kernel just before its replacement (so
+    the new one's row can state the speed-up over it)."""
+    names = [b.name for b in api.GATHER.backends
+             if not (device != "cuda" and is_triton_backend(b.name))  # the interpreter is not a benchmark
+             and not b.not_supported_reasons(inputs)]
+    old = set(PREVIOUS.values())
+
+    def key(n):
+        anchor = PREVIOUS.get(n, n)
+        return 2 * names.index(anchor if anchor in names else n) + (n not in old)
+    return sorted(names, key=key)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if not got.dtype.is_floating_point:
+        return torch.equal(got, want)
     # Both sides round an fp32 product to bf16; allow one ulp for a different rounding order.
     return torch.allclose(got.float(), want.float(), rtol=2.0**-7, atol=0, equal_nan=True)
 
@@ -167,9 +218,13 @@ def bench_one(fmt: str, tokens: int, B: int, device: str, timer: Timer, gen, log
         table, cu, starts_t = table.to(device), cu.to(device), starts_t.to(device)
         k_scale = torch.tensor([K_SCALE], device=device)
         entry_bytes = cache.shape[2] * cache.element_size()
-        moved = tokens * (entry_bytes + E * 2)  # rows read + bf16 rows written
+        if fmt == RAW:
+            moved = tokens * 2 * entry_bytes  # rows read + the same bytes written
+            dst = torch.empty(tokens, cache.shape[2], dtype=cache.dtype, device=device)
+        else:
+            moved = tokens * (entry_bytes + E * 2)  # rows read + bf16 rows written
+            dst = torch.empty(tokens, E, dtype=torch.bfloat16, device=device)
         common["bytes_moved"] = moved
-        dst = torch.empty(tokens, E, dtype=torch.bfloat16, device=device)
 
         half = moved // 2
         src_c, dst_c = torch.empty(half, dtype=torch.uint8, device=device), torch.empty(half, dtype=torch.uint8, device=device)
@@ -187,17 +242,26 @@ def bench_one(fmt: str, tokens: int, B: int, device: str, timer: Timer, gen, log
                  speedup_vs_torch=torch_s / copy_s))
     log.add(dict(common, backend="torch index_select+dequant", ms=torch_s * 1e3, gbs=moved / torch_s / 1e9,
                  pct_copy=100 * copy_s / torch_s, speedup_vs_torch=1.0))
-    inputs = api.GatherInputs(cache, dst, table, cu, NUM_REQS, fmt, k_scale, starts_t)
+    raw = fmt == RAW
+    inputs = api.GatherInputs(cache, dst, table, cu, NUM_REQS, None if raw else fmt, k_scale, starts_t)
+    measured: dict[str, float] = {}
     for name in usable_backends(inputs, device):
         row = dict(common, backend=name)
         try:
             with api.GATHER.force(name):
                 def run():
-                    api.gather_and_maybe_dequant_cache(cache, dst, table, cu, NUM_REQS, fmt, k_scale, starts_t)
-                dst.fill_(float("nan"))
+                    if raw:
+                        api.cp_gather_cache(cache, dst, table, cu, NUM_REQS, starts_t)
+                    else:
+                        api.gather_and_maybe_dequant_cache(cache, dst, table, cu, NUM_REQS, fmt, k_scale, starts_t)
+                if dst.dtype.is_floating_point:
+                    dst.fill_(float("nan"))
+                else:
+                    dst.fill_(0xFF)
                 run()
                 if not _close(dst, want):
-                    bad = int((~torch.isclose(dst.float(), want.float(), rtol=2.0**-7, atol=0, equal_nan=True)).sum())
+                    bad = int((dst != want).sum()) if raw else int(
+                        (~torch.isclose(dst.float(), want.float(), rtol=2.0**-7, atol=0, equal_nan=True)).sum())
                     log.fail(row, f"{name} gather differs from the torch baseline in {bad} of {dst.numel()} values",
                              "mismatch")
                     continue
@@ -205,7 +269,10 @@ def bench_one(fmt: str, tokens: int, B: int, device: str, timer: Timer, gen, log
         except Exception as exc:  # noqa: BLE001
             log.fail(row, exc)
             continue
-        log.add(dict(row, ms=s * 1e3, gbs=moved / s / 1e9, pct_copy=100 * copy_s / s, speedup_vs_torch=torch_s / s))
+        measured[name] = s
+        prev = measured.get(PREVIOUS.get(name, ""))
+        log.add(dict(row, ms=s * 1e3, gbs=moved / s / 1e9, pct_copy=100 * copy_s / s, speedup_vs_torch=torch_s / s,
+                     speedup_vs_previous=prev / s if prev else None))
 
 
 # -- output ---------------------------------------------------------------------
@@ -258,7 +325,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
 
 
-FIELDS = ["format", "tokens", "block_size", "backend", "ms", "gbs", "pct_copy", "speedup_vs_torch", "bytes_moved"]
+FIELDS = ["format", "tokens", "block_size", "backend", "ms", "gbs", "pct_copy", "speedup_vs_torch",
+          "speedup_vs_previous", "bytes_moved"]
 
 
 def run(args, device: str) -> int:
@@ -281,7 +349,7 @@ def run(args, device: str) -> int:
                 for t in sizes:
                     bench_one(fmt, t, B, device, timer, gen, log)
                     r = log.rows[-1]
-                    print(f"  {fmt:<11} T={t:<7} B={B:<3} {r['backend']:<28} "
+                    print(f"  {fmt:<13} T={t:<7} B={B:<3} {r['backend']:<28} "
                           f"{r.get('gbs', float('nan')):8.2f} GB/s  {r['status']}", flush=True)
     except KeyboardInterrupt:
         interrupted = True
@@ -290,10 +358,13 @@ def run(args, device: str) -> int:
         log.fail(dict(backend="run"), exc)
 
     ok = log.ok()
-    print(f"\n{'format':<11}{'tokens':>8}{'B':>4}  {'backend':<28}{'ms':>9}{'GB/s':>9}{'% copy':>8}{'vs torch':>9}")
+    print(f"\n{'format':<13}{'tokens':>8}{'B':>4}  {'backend':<28}{'ms':>9}{'GB/s':>9}{'% copy':>8}{'vs torch':>9}"
+          f"{'vs prev':>9}")
     for r in ok:
-        print(f"{r['format']:<11}{r['tokens']:>8}{r['block_size']:>4}  {r['backend']:<28}{r['ms']:>9.3f}"
-              f"{r['gbs']:>9.2f}{r['pct_copy']:>7.0f}%{r['speedup_vs_torch']:>8.2f}x")
+        prev = r.get("speedup_vs_previous")
+        print(f"{r['format']:<13}{r['tokens']:>8}{r['block_size']:>4}  {r['backend']:<28}{r['ms']:>9.3f}"
+              f"{r['gbs']:>9.2f}{r['pct_copy']:>7.0f}%{r['speedup_vs_torch']:>8.2f}x"
+              + (f"{prev:>8.2f}x" if prev else ""))
     return finish(log, interrupted, lambda rows: plot(rows, stem + ".png", f"gather on {name}"))
 
 

@@ -287,6 +287,15 @@ void check_index_tensor(const at::Tensor& t, const at::Tensor& cache, int64_t di
   check_same_device(t, cache, arg);
 }
 
+// The ops' trailing `kernel` argument: which CUDA kernel runs (0: the newest,
+// the default; 1: the previous one, kept until a GPU has measured both). The
+// CPU kernels ignore it; any other value is an error on every device.
+int32_t kernel_choice(int64_t kernel) {
+  TORCH_CHECK_VALUE(kernel == 0 || kernel == 1, "kernel: expected 0 (default CUDA kernel) or 1 (the previous "
+                    "one), got ", kernel);
+  return static_cast<int32_t>(kernel);
+}
+
 // Fields common to both gathers; `kind`, `dst_type` and `row_bytes` are the caller's.
 cache::GatherParams gather_params(const at::Tensor& src_cache, const at::Tensor& dst,
                                   const at::Tensor& block_table, const at::Tensor& cu_seq_lens,
@@ -486,7 +495,8 @@ cache::KvScaleParams kv_scale_params(const at::Tensor& kv_c, const at::Tensor& k
 
 void concat_and_cache_mla_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
                               const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
-                              const at::Tensor& k_scale) {
+                              const at::Tensor& k_scale, int64_t kernel) {
+  kernel_choice(kernel);
   cache::write_cpu(write_params(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale));
 }
 
@@ -494,19 +504,22 @@ void gather_and_maybe_dequant_cache_cpu(const at::Tensor& src_cache, const at::T
                                         const at::Tensor& block_table, const at::Tensor& cu_seq_lens,
                                         int64_t num_reqs, const std::string& kv_cache_dtype,
                                         const at::Tensor& k_scale,
-                                        const std::optional<at::Tensor>& seq_starts) {
+                                        const std::optional<at::Tensor>& seq_starts, int64_t kernel) {
+  kernel_choice(kernel);
   cache::gather_cpu(dequant_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs,
                                           kv_cache_dtype, k_scale, seq_starts));
 }
 
 void cp_gather_cache_cpu(const at::Tensor& src_cache, const at::Tensor& dst, const at::Tensor& block_table,
                          const at::Tensor& cu_seq_lens, int64_t num_reqs,
-                         const std::optional<at::Tensor>& seq_starts) {
+                         const std::optional<at::Tensor>& seq_starts, int64_t kernel) {
+  kernel_choice(kernel);
   cache::gather_cpu(cp_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts));
 }
 
 at::Tensor compute_kv_scale_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe,
-                                const std::string& kv_cache_dtype) {
+                                const std::string& kv_cache_dtype, int64_t kernel) {
+  kernel_choice(kernel);
   at::Tensor out;
   const cache::KvScaleParams p = kv_scale_params(kv_c, k_pe, kv_cache_dtype, &out);
   if (scale_kind(parse_format_or_throw(kv_cache_dtype, "kv_cache_dtype")) != ScaleKind::kPerTensor) {
@@ -528,8 +541,9 @@ void* cache_stream(const at::Tensor& t) {
 
 void concat_and_cache_mla_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
                                const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
-                               const at::Tensor& k_scale) {
-  const cache::WriteParams p = write_params(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale);
+                               const at::Tensor& k_scale, int64_t kernel) {
+  cache::WriteParams p = write_params(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale);
+  p.kernel = static_cast<cache::WriteKernel>(kernel_choice(kernel));
   c10::cuda::CUDAGuard guard(kv_cache.device());
   if (p.num_tokens > 0) check_launch(cache::write_cuda(p, cache_stream(kv_cache)), "concat_and_cache_mla");
 }
@@ -538,9 +552,10 @@ void gather_and_maybe_dequant_cache_cuda(const at::Tensor& src_cache, const at::
                                          const at::Tensor& block_table, const at::Tensor& cu_seq_lens,
                                          int64_t num_reqs, const std::string& kv_cache_dtype,
                                          const at::Tensor& k_scale,
-                                         const std::optional<at::Tensor>& seq_starts) {
-  const cache::GatherParams p = dequant_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs,
-                                                      kv_cache_dtype, k_scale, seq_starts);
+                                         const std::optional<at::Tensor>& seq_starts, int64_t kernel) {
+  cache::GatherParams p = dequant_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs,
+                                                kv_cache_dtype, k_scale, seq_starts);
+  p.kernel = static_cast<cache::GatherKernel>(kernel_choice(kernel));
   c10::cuda::CUDAGuard guard(src_cache.device());
   if (p.num_reqs > 0 && p.dst_rows > 0)
     check_launch(cache::gather_cuda(p, cache_stream(src_cache)), "gather_and_maybe_dequant_cache");
@@ -548,17 +563,20 @@ void gather_and_maybe_dequant_cache_cuda(const at::Tensor& src_cache, const at::
 
 void cp_gather_cache_cuda(const at::Tensor& src_cache, const at::Tensor& dst, const at::Tensor& block_table,
                           const at::Tensor& cu_seq_lens, int64_t num_reqs,
-                          const std::optional<at::Tensor>& seq_starts) {
-  const cache::GatherParams p = cp_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts);
+                          const std::optional<at::Tensor>& seq_starts, int64_t kernel) {
+  cache::GatherParams p = cp_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts);
+  p.kernel = static_cast<cache::GatherKernel>(kernel_choice(kernel));
   c10::cuda::CUDAGuard guard(src_cache.device());
   if (p.num_reqs > 0 && p.dst_rows > 0) check_launch(cache::gather_cuda(p, cache_stream(src_cache)), "cp_gather_cache");
 }
 
 at::Tensor compute_kv_scale_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe,
-                                 const std::string& kv_cache_dtype) {
+                                 const std::string& kv_cache_dtype, int64_t kernel) {
+  const cache::WriteKernel which = static_cast<cache::WriteKernel>(kernel_choice(kernel));
   c10::cuda::CUDAGuard guard(kv_c.device());
   at::Tensor out;
-  const cache::KvScaleParams p = kv_scale_params(kv_c, k_pe, kv_cache_dtype, &out);
+  cache::KvScaleParams p = kv_scale_params(kv_c, k_pe, kv_cache_dtype, &out);
+  p.kernel = which;
   if (scale_kind(parse_format_or_throw(kv_cache_dtype, "kv_cache_dtype")) != ScaleKind::kPerTensor) {
     out.fill_(1.0);
     return out;
@@ -572,15 +590,17 @@ at::Tensor compute_kv_scale_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe,
 }  // namespace mla_ext
 
 TORCH_LIBRARY_FRAGMENT(mla_ext, m) {
-  // Argument order follows the upstream engine's ops of the same names.
+  // Argument order follows the upstream engine's ops of the same names. The
+  // trailing `kernel` picks the CUDA kernel (0: the newest, 1: the previous;
+  // see kernel_choice); the CPU kernels ignore it.
   m.def("concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
-        "str kv_cache_dtype, Tensor k_scale) -> ()");
+        "str kv_cache_dtype, Tensor k_scale, int kernel=0) -> ()");
   m.def("gather_and_maybe_dequant_cache(Tensor src_cache, Tensor(a!) dst, Tensor block_table, "
         "Tensor cu_seq_lens, int num_reqs, str kv_cache_dtype, Tensor k_scale, "
-        "Tensor? seq_starts=None) -> ()");
+        "Tensor? seq_starts=None, int kernel=0) -> ()");
   m.def("cp_gather_cache(Tensor src_cache, Tensor(a!) dst, Tensor block_table, Tensor cu_seq_lens, "
-        "int num_reqs, Tensor? seq_starts=None) -> ()");
-  m.def("compute_kv_scale(Tensor kv_c, Tensor k_pe, str kv_cache_dtype) -> Tensor");
+        "int num_reqs, Tensor? seq_starts=None, int kernel=0) -> ()");
+  m.def("compute_kv_scale(Tensor kv_c, Tensor k_pe, str kv_cache_dtype, int kernel=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mla_ext, CPU, m) {

@@ -33,10 +33,12 @@ def _one_device(op: str, **tensors) -> None:
 # Per-stage sections are added as ops arrive; the foundation ops take no tensors.
 
 # === Stage: cache ===
+# `kernel` (every cache op) picks the CUDA kernel (0 newest, 1 previous); the
+# outputs are the same either way.
 
 
 @torch.library.register_fake("mla_ext::concat_and_cache_mla")
-def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
+def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, kernel=0):
     _one_device("concat_and_cache_mla", kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping,
                 k_scale=k_scale)
     return None  # writes kv_cache in place
@@ -44,7 +46,7 @@ def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtyp
 
 @torch.library.register_fake("mla_ext::gather_and_maybe_dequant_cache")
 def _gather_and_maybe_dequant_cache_fake(
-    src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale, seq_starts=None
+    src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale, seq_starts=None, kernel=0
 ):
     _one_device("gather_and_maybe_dequant_cache", src_cache=src_cache, dst=dst, block_table=block_table,
                 cu_seq_lens=cu_seq_lens, k_scale=k_scale, seq_starts=seq_starts)
@@ -52,14 +54,14 @@ def _gather_and_maybe_dequant_cache_fake(
 
 
 @torch.library.register_fake("mla_ext::cp_gather_cache")
-def _cp_gather_cache_fake(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts=None):
+def _cp_gather_cache_fake(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts=None, kernel=0):
     _one_device("cp_gather_cache", src_cache=src_cache, dst=dst, block_table=block_table,
                 cu_seq_lens=cu_seq_lens, seq_starts=seq_starts)
     return None  # writes dst in place
 
 
 @torch.library.register_fake("mla_ext::compute_kv_scale")
-def _compute_kv_scale_fake(kv_c, k_pe, kv_cache_dtype):
+def _compute_kv_scale_fake(kv_c, k_pe, kv_cache_dtype, kernel=0):
     _one_device("compute_kv_scale", kv_c=kv_c, k_pe=k_pe)
     return kv_c.new_empty((1,), dtype=torch.float32)
 

@@ -10,12 +10,21 @@ instead of running. concat_and_cache_mla has no trailing `skip_scale`.):
   cp_gather_cache                 gather raw bytes (fp8 passthrough, context parallel)
   compute_kv_scale                per-tensor K scale from the data
 
-Backends, in priority order: "cuda" (csrc/cache/*.cu), "cpu"
-(csrc/cache/cache_cpu.cpp), "triton" (gathers only,
-mla_ext/cache/triton_gather.py). Each
-states why it cannot serve an input; `explain(...)` and `backend_report()`
-show the choice, `GATHER.force("triton")` or MLA_EXT_FORCE_GATHER=triton
-forces one.
+Backends, in priority order (each states why it cannot serve an input;
+`explain(...)` and `backend_report()` show the choice; `GATHER.force(name)` or
+MLA_EXT_FORCE_GATHER=<name> forces one):
+  gathers   "cuda_paged" (csrc/cache/gather_paged.cu: a window of rows per
+            CTA, mapped once, streamed in 16-byte units), "cuda_rowwise"
+            (csrc/cache/gather.cu: one warp per row, the earlier kernel),
+            "cpu" (csrc/cache/cache_cpu.cpp), "triton_paged" and
+            "triton_rowwise" (mla_ext/cache/triton_gather.py);
+  write     "cuda_vector" (16-byte loads, 8/16-byte stores), "cuda_scalar"
+            (the earlier element-by-element kernel), "cpu";
+  kv scale  "cuda_vector", "cuda_scalar", "cpu".
+The earlier kernels stay selectable until a GPU has measured both
+(benchmarks/bench_gather.py reports them side by side). The names "cuda" and
+"triton" still work for forcing: they mean the newest kernel of each
+("cuda_paged" / "cuda_vector", "triton_paged").
 
 Out-of-range policy (every backend; see csrc/cache/cache_kernels.h):
   * gather: a row whose token lies in a logical block past the block table's
@@ -41,10 +50,12 @@ Out-of-range policy (every backend; see csrc/cache/cache_kernels.h):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
 
+from mla_ext._args import as_device
 from mla_ext import _ext
 from mla_ext.cache import checks
 from mla_ext.dispatch import Backend, Dispatcher
@@ -108,61 +119,83 @@ def _raw_format_name(cache: Tensor) -> str:
     return "fp8" if cache.element_size() == 1 else "auto"
 
 
-def _triton_reasons(inp: GatherInputs) -> list[str]:
+def _triton_reasons(inp: GatherInputs, kernel: str = "paged") -> list[str]:
     try:
         from mla_ext.cache import triton_gather
     except ImportError as exc:  # the module or triton itself is missing
         return [f"the Triton gather cannot be imported ({exc})"]
     name = inp.kv_cache_dtype if inp.kv_cache_dtype is not None else _raw_format_name(inp.src_cache)
-    return triton_gather.triton_not_supported_reasons(inp.src_cache, inp.dst, name)
+    return triton_gather.triton_not_supported_reasons(inp.src_cache, inp.dst, name, kernel)
 
 
-def _run_triton(inp: GatherInputs) -> None:
+def _run_triton(inp: GatherInputs, kernel: str = "paged") -> None:
     from mla_ext.cache import triton_gather
 
     name = inp.kv_cache_dtype if inp.kv_cache_dtype is not None else _raw_format_name(inp.src_cache)
     triton_gather.gather_triton(
         inp.src_cache, inp.dst, inp.block_table, inp.cu_seq_lens, inp.num_reqs, name,
-        inp.k_scale, inp.seq_starts,
+        inp.k_scale, inp.seq_starts, kernel=kernel,
     )
 
 
-def _run_compiled_gather(inp: GatherInputs) -> None:
+# The compiled ops' trailing `kernel` argument (csrc/bindings.cpp): which CUDA
+# kernel runs; the CPU kernels ignore it.
+KERNEL_NEWEST, KERNEL_PREVIOUS = 0, 1
+
+
+def _run_compiled_gather(inp: GatherInputs, kernel: int = KERNEL_NEWEST) -> None:
     ops = _ext.ops()
     if inp.kv_cache_dtype is None:
         ops.cp_gather_cache(inp.src_cache, inp.dst, inp.block_table, inp.cu_seq_lens, inp.num_reqs,
-                            inp.seq_starts)
+                            inp.seq_starts, kernel)
     else:
         ops.gather_and_maybe_dequant_cache(
             inp.src_cache, inp.dst, inp.block_table, inp.cu_seq_lens, inp.num_reqs,
-            inp.kv_cache_dtype, inp.k_scale, inp.seq_starts,
+            inp.kv_cache_dtype, inp.k_scale, inp.seq_starts, kernel,
         )
 
 
-def _run_write(inp: TensorInputs) -> None:
-    _ext.ops().concat_and_cache_mla(*inp.args)
+def _run_write(inp: TensorInputs, kernel: int = KERNEL_NEWEST) -> None:
+    _ext.ops().concat_and_cache_mla(*inp.args, kernel)
 
 
-def _run_kv_scale(inp: TensorInputs) -> Tensor:
-    return _ext.ops().compute_kv_scale(*inp.args)
+def _run_kv_scale(inp: TensorInputs, kernel: int = KERNEL_NEWEST) -> Tensor:
+    return _ext.ops().compute_kv_scale(*inp.args, kernel)
 
 
-# CPU before Triton: on CPU tensors Triton only runs under its (slow)
-# interpreter, which tests reach with GATHER.force("triton"); on a GPU the
-# CPU backend refuses and Triton serves when the CUDA kernels cannot.
-GATHER = Dispatcher("gather", [
-    Backend("cuda", _cuda_reasons, _run_compiled_gather),
+class _AliasedDispatcher(Dispatcher):
+    """A Dispatcher whose backends also answer to earlier names: force("cuda")
+    and MLA_EXT_FORCE_GATHER=triton keep working and mean the newest kernel."""
+
+    def __init__(self, op: str, backends: list[Backend], aliases: dict[str, str]):
+        super().__init__(op, backends)
+        self.aliases = dict(aliases)
+
+    def get(self, name: str) -> Backend:
+        return super().get(self.aliases.get(name, name))
+
+
+# Newest kernel first, then the earlier one of the same device. CPU before
+# Triton: on CPU tensors Triton only runs under its (slow) interpreter, which
+# tests reach with GATHER.force("triton_paged"); on a GPU the CPU backend
+# refuses and Triton serves when the CUDA kernels cannot.
+GATHER = _AliasedDispatcher("gather", [
+    Backend("cuda_paged", _cuda_reasons, partial(_run_compiled_gather, kernel=KERNEL_NEWEST)),
+    Backend("cuda_rowwise", _cuda_reasons, partial(_run_compiled_gather, kernel=KERNEL_PREVIOUS)),
     Backend("cpu", _cpu_reasons, _run_compiled_gather),
-    Backend("triton", _triton_reasons, _run_triton),
-])
-WRITE = Dispatcher("write", [
-    Backend("cuda", _cuda_reasons, _run_write),
+    Backend("triton_paged", partial(_triton_reasons, kernel="paged"), partial(_run_triton, kernel="paged")),
+    Backend("triton_rowwise", partial(_triton_reasons, kernel="rowwise"), partial(_run_triton, kernel="rowwise")),
+], aliases={"cuda": "cuda_paged", "triton": "triton_paged"})
+WRITE = _AliasedDispatcher("write", [
+    Backend("cuda_vector", _cuda_reasons, partial(_run_write, kernel=KERNEL_NEWEST)),
+    Backend("cuda_scalar", _cuda_reasons, partial(_run_write, kernel=KERNEL_PREVIOUS)),
     Backend("cpu", _cpu_reasons, _run_write),
-])
-KV_SCALE = Dispatcher("kv_scale", [
-    Backend("cuda", _cuda_reasons, _run_kv_scale),
+], aliases={"cuda": "cuda_vector"})
+KV_SCALE = _AliasedDispatcher("kv_scale", [
+    Backend("cuda_vector", _cuda_reasons, partial(_run_kv_scale, kernel=KERNEL_NEWEST)),
+    Backend("cuda_scalar", _cuda_reasons, partial(_run_kv_scale, kernel=KERNEL_PREVIOUS)),
     Backend("cpu", _cpu_reasons, _run_kv_scale),
-])
+], aliases={"cuda": "cuda_vector"})
 
 
 # -- public ops --------------------------------------------------------------
@@ -284,7 +317,7 @@ def backend_report(device: str | torch.device | None = None) -> list[tuple[str, 
 
     An empty reasons list means the backend can serve the op there.
     """
-    dev = torch.device(device) if device is not None else torch.device(
+    dev = as_device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu"
     )
     out = []
@@ -299,4 +332,11 @@ def explain(op: str, inputs) -> str:
     dispatchers = {"gather": GATHER, "cp_gather": GATHER, "write": WRITE, "kv_scale": KV_SCALE}
     if op not in dispatchers:
         raise ValueError(f"op: unknown {op!r}; expected one of {', '.join(dispatchers)}")
+    want = GatherInputs if op in ("gather", "cp_gather") else TensorInputs
+    ok = isinstance(inputs, want)
+    if ok and want is TensorInputs:
+        ok = bool(inputs.args) and isinstance(inputs.args[0], Tensor)
+    if not ok:
+        raise ValueError(f"inputs: expected a {want.__name__} for op {op!r} (the inputs its backends "
+                         f"decide on), got {type(inputs).__name__}")
     return dispatchers[op].explain(inputs)

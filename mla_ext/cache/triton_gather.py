@@ -1,6 +1,24 @@
 """Triton gather of paged latent-cache rows with the dequant fused (SPEC §2, §6).
 
-One kernel serves every format; a constexpr MODE picks the row decoder:
+Two kernels, selected by `gather_triton(kernel=...)` (the dispatcher's
+"triton_paged" and "triton_rowwise" backends, the paged one first):
+`_gather_paged_kernel` and the earlier `_gather_kernel`, kept until a GPU has
+measured both.
+Both map a program's BLOCK_R dst rows to their cache rows once (a vectorised
+binary search over cu_seq_lens, one block-table load per row: rows of a page
+share the address), and differ in how the rows move:
+  rowwise  column chunk by column chunk, each loaded then stored, so a chunk's
+           loads wait behind the previous chunk's stores;
+  paged    every load of the program's tile is issued before its first store:
+           the whole fp8_ds_mla / nvfp4_ds_mla row (latent, scales, k_pe) as
+           3-D / 2-D tiles, and for the other formats the row's tail chunk
+           (576 = 512 + 64) together with its first main chunk; fp8 bytes are
+           converted by the hardware (bitcast to float8e4nv / float8e5) on
+           sm_89+, by integer moves elsewhere and in the interpreter; nvfp4
+           nibbles are split with tl.join and the permuted block scales put in
+           order with one tile transpose instead of per-value byte loads.
+
+Each kernel serves every format; a constexpr MODE picks the row decoder:
   COPY   dst.dtype == cache dtype: native bf16/fp16/fp32 copy, or raw fp8 bytes;
   E4M3 / E5M2   per-tensor fp8 bytes x k_scale;
   DS_MLA  fp8_ds_mla 656-byte rows: 4 x 128 e4m3 values x their fp32 tile scale,
@@ -73,6 +91,39 @@ def _interpreting() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _window_sources(cu_ptr, starts_ptr, bt_ptr, row0, num_reqs, num_blocks, block_size, max_blocks,
+                        dst_rows, search_steps, bt_s0, bt_s1, HAS_STARTS: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Rows row0 + [0, BLOCK_R) of dst: (rows, live, ok, blk, slot). live: a request owns
+        the row; ok: it has a cache row (block blk, slot); other rows get blk = slot = 0, so
+        even a masked address stays inside the cache. Shared by both kernels."""
+        total = tl.load(cu_ptr + num_reqs)
+        first = tl.load(cu_ptr)
+        rows = row0 + tl.arange(0, BLOCK_R)
+        live = (rows >= first) & (rows < total) & (rows < dst_rows)
+        # Request of each row: the largest r with cu[r] <= row. lo stays in [0, num_reqs - 1]
+        # whatever cu holds, so every index below is in range.
+        lo = tl.zeros([BLOCK_R], dtype=tl.int32)
+        hi = tl.zeros([BLOCK_R], dtype=tl.int32) + num_reqs
+        for _ in range(search_steps):
+            mid = (lo + hi) // 2
+            at_mid = tl.load(cu_ptr + mid, mask=live, other=0)
+            right = at_mid <= rows
+            lo = tl.where(right, mid, lo)
+            hi = tl.where(right, hi, mid)
+        req = lo.to(tl.int64)
+        tok = rows - tl.load(cu_ptr + req, mask=live, other=0)
+        if HAS_STARTS:
+            tok += tl.load(starts_ptr + req, mask=live, other=0)
+        lblk = tl.where(tok >= 0, tok // block_size, -1)
+        in_table = live & (lblk >= 0) & (lblk < max_blocks)
+        lblk = tl.where(in_table, lblk, 0).to(tl.int64)
+        blk = tl.load(bt_ptr + req * bt_s0 + lblk * bt_s1, mask=in_table, other=-1)
+        ok = in_table & (blk >= 0) & (blk < num_blocks)
+        blk = tl.where(ok, blk, 0).to(tl.int64)
+        slot = tl.where(ok, tok % block_size, 0).to(tl.int64)
+        return rows, live, ok, blk, slot
+
+    @triton.jit
     def _gather_kernel(
         src_ptr, src_f32_ptr, src_bf16_ptr, dst_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr,
         num_reqs, num_blocks, block_size, max_blocks, dst_rows, n_cols, search_steps,
@@ -83,33 +134,9 @@ if triton is not None:
         row0 = tl.program_id(0) * BLOCK_R
         total = tl.load(cu_ptr + num_reqs)
         if row0 < total:
-            first = tl.load(cu_ptr)
-            rows = row0 + tl.arange(0, BLOCK_R)
-            live = (rows >= first) & (rows < total) & (rows < dst_rows)
-
-            # Request of each row: the largest r with cu[r] <= row. lo stays in
-            # [0, num_reqs - 1] whatever cu holds, so every index below is in range.
-            lo = tl.zeros([BLOCK_R], dtype=tl.int32)
-            hi = tl.zeros([BLOCK_R], dtype=tl.int32) + num_reqs
-            for _ in range(search_steps):
-                mid = (lo + hi) // 2
-                at_mid = tl.load(cu_ptr + mid, mask=live, other=0)
-                right = at_mid <= rows
-                lo = tl.where(right, mid, lo)
-                hi = tl.where(right, hi, mid)
-            req = lo.to(tl.int64)
-
-            tok = rows - tl.load(cu_ptr + req, mask=live, other=0)
-            if HAS_STARTS:
-                tok += tl.load(starts_ptr + req, mask=live, other=0)
-            lblk = tl.where(tok >= 0, tok // block_size, -1)
-            in_table = live & (lblk >= 0) & (lblk < max_blocks)
-            lblk = tl.where(in_table, lblk, 0).to(tl.int64)
-            blk = tl.load(bt_ptr + req * bt_s0 + lblk * bt_s1, mask=in_table, other=-1)
-            ok = in_table & (blk >= 0) & (blk < num_blocks)
-            # Clamped so that even the (masked) address stays inside the cache.
-            blk = tl.where(ok, blk, 0).to(tl.int64)
-            slot = tl.where(ok, tok % block_size, 0).to(tl.int64)
+            rows, live, ok, blk, slot = _window_sources(
+                cu_ptr, starts_ptr, bt_ptr, row0, num_reqs, num_blocks, block_size, max_blocks, dst_rows,
+                search_steps, bt_s0, bt_s1, HAS_STARTS, BLOCK_R)
             src_row = src_ptr + blk * s_blk + slot * s_ent
             dst_row = dst_ptr + rows.to(tl.int64) * d_row
             ok2 = ok[:, None]
@@ -185,6 +212,114 @@ if triton is not None:
                     tl.store(dst_row[:, None] + cols[None, :] * d_col, x, mask=live2 & cm)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _fp8_decode(b, E5M2: tl.constexpr, HW_FP8: tl.constexpr):
+        """uint8 fp8 bits -> float32, exact: the hardware conversion on sm_89+, else integer moves."""
+        if HW_FP8:
+            if E5M2:
+                v = b.to(tl.float8e5, bitcast=True).to(tl.float32)
+            else:
+                v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            if E5M2:
+                v = e5m2_to_f32(b.to(tl.int32))
+            else:
+                v = e4m3_to_f32(b.to(tl.int32))
+        return v
+
+    # ptxas (Triton 3.8, the launch configs of _paged_tiles): 52-111 registers on
+    # sm_86 and sm_90a, no spills (tests/test_cache_paged_gather.py checks it).
+    # register budget: 128
+    @triton.jit
+    def _gather_paged_kernel(
+        src_ptr, src_f32_ptr, src_bf16_ptr, dst_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr,
+        num_reqs, num_blocks, block_size, max_blocks, dst_rows, n_cols, search_steps,
+        s_blk, s_ent, s_col, bt_s0, bt_s1, d_row, d_col,
+        MODE: tl.constexpr, HAS_STARTS: tl.constexpr, ALIGNED: tl.constexpr, HW_FP8: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TAIL_C: tl.constexpr,
+    ):
+        row0 = tl.program_id(0) * BLOCK_R
+        if row0 < tl.load(cu_ptr + num_reqs):
+            rows, live, ok, blk, slot = _window_sources(
+                cu_ptr, starts_ptr, bt_ptr, row0, num_reqs, num_blocks, block_size, max_blocks, dst_rows,
+                search_steps, bt_s0, bt_s1, HAS_STARTS, BLOCK_R)
+            src_row = src_ptr + blk * s_blk + slot * s_ent
+            dst_row = dst_ptr + rows.to(tl.int64) * d_row
+            ok2 = ok[:, None]
+            live2 = live[:, None]
+            if MODE == 3:
+                # fp8_ds_mla: latent [R, 4 tiles, 128], scales [R, 4], k_pe [R, 64], all loaded first.
+                ok3 = ok[:, None, None]
+                lat = tl.arange(0, 4)[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
+                b = tl.load(src_row[:, None, None] + lat * s_col, mask=ok3, other=0)
+                k = tl.arange(0, 64)[None, :]
+                t4 = tl.arange(0, 4)[None, :]
+                pe_cm = (512 + k) < n_cols
+                if ALIGNED:
+                    row4 = blk * (s_blk // 4) + slot * (s_ent // 4)
+                    row2 = blk * (s_blk // 2) + slot * (s_ent // 2)
+                    sc = tl.load(src_f32_ptr + row4[:, None] + (128 + t4), mask=ok2, other=0.0)
+                    pe = tl.load(src_bf16_ptr + row2[:, None] + (264 + k), mask=ok2 & pe_cm, other=0.0)
+                else:
+                    sb = src_row[:, None] + (512 + 4 * t4) * s_col
+                    bits = tl.load(sb, mask=ok2, other=0).to(tl.int32)
+                    bits |= tl.load(sb + s_col, mask=ok2, other=0).to(tl.int32) << 8
+                    bits |= tl.load(sb + 2 * s_col, mask=ok2, other=0).to(tl.int32) << 16
+                    bits |= tl.load(sb + 3 * s_col, mask=ok2, other=0).to(tl.int32) << 24
+                    sc = bits.to(tl.float32, bitcast=True)
+                    pb = src_row[:, None] + (528 + 2 * k) * s_col
+                    lo_b = tl.load(pb, mask=ok2 & pe_cm, other=0).to(tl.int32)
+                    hi_b = tl.load(pb + s_col, mask=ok2 & pe_cm, other=0).to(tl.int32)
+                    pe = (lo_b | (hi_b << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                v = _fp8_decode(b, False, HW_FP8) * sc[:, :, None]
+                v = tl.where(ok3, v, 0.0)
+                tl.store(dst_row[:, None, None] + lat * d_col, v, mask=live[:, None, None])
+                tl.store(dst_row[:, None] + (512 + k) * d_col, pe.to(tl.float32), mask=live2 & pe_cm)
+            elif MODE == 4:
+                # nvfp4_ds_mla: 256 code bytes, 32 scale bytes, 64 k_pe bytes per row, all loaded first.
+                k256 = tl.arange(0, 256)[None, :]
+                q = tl.arange(0, 32)[None, :]
+                k64 = tl.arange(0, 64)[None, :]
+                codes = tl.load(src_row[:, None] + k256 * s_col, mask=ok2, other=0).to(tl.int32)
+                sbytes = tl.load(src_row[:, None] + (320 + q) * s_col, mask=ok2, other=0)
+                rb = tl.load(src_row[:, None] + (256 + k64) * s_col, mask=ok2, other=0)
+                # The scale of block s sits at byte 8 (s & 3) + (s >> 2): as [R, s & 3, s >> 2] the
+                # bytes are the transpose of the block order [R, s >> 2, s & 3].
+                sbt = tl.reshape(tl.permute(tl.reshape(sbytes, (BLOCK_R, 4, 8)), (0, 2, 1)), (BLOCK_R, 32))
+                scale = _fp8_decode(sbt, False, HW_FP8)
+                # Element 2 j is the low nibble of byte j, element 2 j + 1 the high one.
+                nib = tl.reshape(tl.join(codes & 0xF, codes >> 4), (BLOCK_R, 512))
+                v = tl.reshape(e2m1_to_f32(nib), (BLOCK_R, 32, 16)) * scale[:, :, None]
+                v = tl.where(ok[:, None, None], v, 0.0)
+                s3 = tl.arange(0, 32)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+                tl.store(dst_row[:, None, None] + s3 * d_col, v, mask=live[:, None, None])
+                pe = tl.where(ok2, _fp8_decode(rb, False, HW_FP8), 0.0)
+                tl.store(dst_row[:, None] + (512 + k64) * d_col, pe, mask=live2)
+            else:
+                if MODE != 0:
+                    k_scale = tl.load(scale_ptr)
+                    # An invalid scale (NaN, inf, <= 0) gives NaN rows, as in the C++ kernels.
+                    k_scale = tl.where((k_scale > 0.0) & (k_scale <= 3.4028234663852886e38), k_scale, float("nan"))
+                n_main = (n_cols // BLOCK_C) * BLOCK_C
+                if TAIL_C > 0:
+                    # The tail columns are loaded ahead, with the first main chunk.
+                    tcols = n_main + tl.arange(0, TAIL_C)
+                    tcm = (tcols < n_cols)[None, :]
+                    xt = tl.load(src_row[:, None] + tcols[None, :] * s_col, mask=ok2 & tcm, other=0)
+                for c0 in range(0, n_main, BLOCK_C):
+                    cols = c0 + tl.arange(0, BLOCK_C)
+                    x = tl.load(src_row[:, None] + cols[None, :] * s_col, mask=ok2, other=0)
+                    if MODE != 0:
+                        x = tl.where(ok2, _fp8_decode(x, MODE == 2, HW_FP8) * k_scale, 0.0)
+                    tl.store(dst_row[:, None] + cols[None, :] * d_col, x, mask=live2)
+                if TAIL_C > 0:
+                    if MODE != 0:
+                        xt = tl.where(ok2, _fp8_decode(xt, MODE == 2, HW_FP8) * k_scale, 0.0)
+                    tl.store(dst_row[:, None] + tcols[None, :] * d_col, xt, mask=live2 & tcm)
+
+
 def _mode(fmt, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> int:
     if dst_dtype == src_dtype:
         return MODE_COPY
@@ -195,9 +330,16 @@ def _mode(fmt, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> int:
     return MODE_E4M3 if fmt.fp8_dtype == torch.float8_e4m3fn else MODE_E5M2
 
 
-def triton_not_supported_reasons(src_cache: Tensor, dst: Tensor, kv_cache_dtype: str) -> list[str]:
-    """Why `gather_triton` cannot serve these tensors (empty list: it can)."""
+KERNELS = ("paged", "rowwise")
+
+
+def triton_not_supported_reasons(src_cache: Tensor, dst: Tensor, kv_cache_dtype: str,
+                                 kernel: str = "paged") -> list[str]:
+    """Why `gather_triton(kernel=kernel)` cannot serve these tensors (empty list: it can).
+    Both kernels serve the same inputs."""
     why: list[str] = []
+    if kernel not in KERNELS:
+        why.append(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     if triton is None:
         why.append(f"triton is not importable ({_TRITON_IMPORT_ERROR})")
     if _interpreting():
@@ -243,6 +385,42 @@ def triton_not_supported_reasons(src_cache: Tensor, dst: Tensor, kv_cache_dtype:
     return why
 
 
+def _paged_tiles(mode: int, out_bytes: int, n_cols: int, dst_rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_C, TAIL_C, num_warps) of the paged kernel.
+
+    BLOCK_C: the largest power of two <= n_cols, at most 512 columns; TAIL_C: the
+    next power of two >= the n_cols % BLOCK_C columns left (0: none), loaded
+    together with the first main chunk. On a GPU a [16-32, 512] byte tile gives
+    each of 128-256 threads four or more 16-byte loads before its first store.
+    The interpreter pays per program: big row tiles there. out_bytes: dst element size."""
+    block_c = 1
+    while block_c * 2 <= min(n_cols, 512):
+        block_c *= 2
+    rest = n_cols % block_c
+    tail = 0 if rest == 0 else 1 << (rest - 1).bit_length()
+    if _interpreting():
+        return 64, block_c, tail, 4
+    # One warp per 4 rows: a 512-byte row chunk is 4 x 16 bytes per thread (fp8
+    # sources; 8 x 16 for 16-bit copies); 32-row tiles once dst is large. fp32
+    # outputs of a dequant hold twice the register bytes: twice the warps.
+    rows = 32 if dst_rows >= 65536 else 16
+    warps = rows // 4 * (2 if out_bytes == 4 and mode != MODE_COPY else 1)
+    return rows, block_c, tail, warps
+
+
+_HW_FP8: dict[int, bool] = {}
+
+
+def _hw_fp8(device: torch.device) -> bool:
+    """Triton's float8e4nv / float8e5 conversions exist on sm_89+ (not in the interpreter)."""
+    if device.type != "cuda" or _interpreting():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _HW_FP8:
+        _HW_FP8[idx] = torch.cuda.get_device_capability(idx) >= (8, 9)
+    return _HW_FP8[idx]
+
+
 def _block_rows(dst_rows: int) -> int:
     """Rows per program. The interpreter pays per program, so it gets big tiles. On a
     GPU 32 rows x 64 (or 128 byte) columns give each of 128 threads 16-byte vectors;
@@ -260,14 +438,18 @@ def _i32(t: Tensor) -> Tensor:
 def gather_triton(
     src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int,
     kv_cache_dtype: str, k_scale: Tensor | None, seq_starts: Tensor | None = None,
-    block_rows: int | None = None,
+    block_rows: int | None = None, kernel: str = "rowwise",
 ) -> Tensor:
     """dst[cu[r] + i] = dequant(cache token seq_starts[r] + i of request r); returns dst.
 
     Argument values are not checked here (that is `checks.py`'s job, in the
-    public op); any value is memory-safe. `block_rows` overrides the tile height.
+    public op); any value is memory-safe. `block_rows` overrides the tile height;
+    `kernel` is "paged" or "rowwise" (module docstring). The dispatcher's default
+    backend, "triton_paged", passes kernel="paged"; this function's own default
+    stays "rowwise" for direct callers (tests/test_hardening_kernels.py patches
+    `_gather_kernel` to watch its launches) until the GPU measurement retires it.
     """
-    why = triton_not_supported_reasons(src_cache, dst, kv_cache_dtype)
+    why = triton_not_supported_reasons(src_cache, dst, kv_cache_dtype, kernel)
     if why:
         raise ValueError("gather_triton: " + "; ".join(why))
     out = dst
@@ -308,6 +490,21 @@ def gather_triton(
                and src_cache.stride(1) % 4 == 0 and src_cache.storage_offset() % 4 == 0)
     src_f32 = src_cache.view(torch.float32) if aligned else src_cache
     src_bf16 = src_cache.view(torch.bfloat16) if aligned else src_cache
+    if kernel == "paged":
+        rows, block_c, tail_c, warps = _paged_tiles(mode, dst.element_size(), dst.shape[1], dst.shape[0])
+        rows = block_rows or rows
+        grid = (triton.cdiv(dst.shape[0], rows),)
+        with launch_guard(dst):
+            _gather_paged_kernel[grid](
+                src_cache, src_f32, src_bf16, dst, bt, cu, starts, scale,
+                num_reqs, src_cache.shape[0], src_cache.shape[1], block_table.shape[1],
+                dst.shape[0], dst.shape[1], max(num_reqs.bit_length(), 1),
+                src_cache.stride(0), src_cache.stride(1), src_cache.stride(2),
+                bt.stride(0), bt.stride(1), dst.stride(0), dst.stride(1),
+                MODE=mode, HAS_STARTS=seq_starts is not None, ALIGNED=aligned, HW_FP8=_hw_fp8(dst.device),
+                BLOCK_R=rows, BLOCK_C=block_c, TAIL_C=tail_c, num_warps=warps,
+            )
+        return out
     rows = block_rows or _block_rows(dst.shape[0])
     grid = (triton.cdiv(dst.shape[0], rows),)
     with launch_guard(dst):
