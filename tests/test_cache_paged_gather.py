@@ -838,3 +838,44 @@ def test_emulator_source_lists_its_entry_points():
     for fn in ("mla_emulate_paged_gather", "mla_emulate_write", "mla_emulate_kv_scale", "mla_scaled_division"):
         assert f" {fn}(" in src
     assert inspect.getsource(emulate_gather)  # keeps the helper referenced
+
+
+@needs_ext
+@pytest.mark.parametrize("case", ["empty_requests", "negative_starts", "many_short", "walk_limit", "far_disorder"])
+def test_emulated_paged_gather_mapping_walk(emu, case):
+    """The window walk (one search per window, a block-table load per page) gives the CPU
+    kernel's rows: zero-length requests, contexts starting before 0, a request per row,
+    more requests than a window checks (per-row mapping), and a cu_seq_lens whose only
+    decrease is far from the rows (per-row mapping too: the searches pass through it)."""
+    rng = random.Random(hash(case) & 0xFFFF)
+    for fmt, B in (("bfloat16", 1), ("bfloat16", 16), ("fp8", 3), ("fp8_ds_mla", 64)):
+        dd = _dst_dtypes(fmt)[0]
+        cache, ks, _, _, _, _, _, width, _ = gather_case(7, fmt, dd, B=B)
+        nb = cache.shape[0]
+        n = {"empty_requests": 40, "negative_starts": 9, "many_short": 300, "walk_limit": 2100,
+             "far_disorder": 600}[case]
+        if case == "empty_requests":
+            lens = [rng.choice([0, 0, 0, 1, 5, 37]) for _ in range(n)]
+        elif case in ("many_short", "walk_limit"):
+            lens = [rng.choice([0, 1, 1, 2]) for _ in range(n)]
+        else:
+            lens = [rng.randint(0, 90) for _ in range(n)]
+        cu_l = [0]
+        for x in lens:
+            cu_l.append(cu_l[-1] + x)
+        if case == "far_disorder":
+            cu_l[n // 3 + 7] = cu_l[3 * n // 4]  # one entry far too large; the rest non-decreasing
+        cu = torch.tensor(cu_l, dtype=torch.int32)
+        lo = -40 if case == "negative_starts" else 0
+        starts = torch.tensor([rng.randint(lo, 3 * B) for _ in range(n)], dtype=torch.int32)
+        width_bt = max(1, (max(lens) + 3 * B) // B)
+        bt = torch.tensor([[rng.randint(-1, nb) if rng.random() < 0.1 else rng.randint(0, nb - 1)
+                            for _ in range(width_bt)] for _ in range(n)], dtype=torch.int32)
+        rows = max(cu_l[-1], 1) + 4
+        dtype = cache.dtype if dd == "raw" else dd
+        full = torch.empty(rows + 6, width, dtype=dtype)
+        full.view(torch.uint8).fill_(0xFF)
+        want_full = full.clone()
+        _cpu_gather(fmt, dd, cache, ks, bt, cu, starts, want_full[3:3 + rows], n)
+        emulate_gather(emu, cache, full[3:3 + rows], bt, cu, n, None if dd == "raw" else fmt, ks, starts)
+        assert same_bits(full, want_full), (case, fmt, B)

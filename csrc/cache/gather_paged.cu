@@ -28,8 +28,10 @@ namespace cache {
 namespace {
 
 // One CTA per window of `rows_per_cta` dst rows (paged_gather.h): the rows'
-// cache offsets are resolved once into shared memory, then streamed.
-// ptxas (CUDA 13.0), 49 instantiations x {sm_86, sm_90a}: 28-40 registers for
+// cache offsets are resolved into shared memory, once per page (thread 0
+// walks the window; per row in parallel when cu_seq_lens decreases somewhere
+// or has more than kMaxWalkReqs requests), then streamed.
+// ptxas (CUDA 13.0), 49 instantiations x {sm_86, sm_90a}: 30-40 registers for
 // the copies and the one-value fallbacks, 48 for RawOp<16>, 56-64 for the
 // 16-byte dequant decoders (they take what the bound allows: capped at 48 they
 // also compile without spills), no spills anywhere. The bound (4 CTAs of 256
@@ -40,10 +42,12 @@ __global__ void __launch_bounds__(paged::kThreads, 4) paged_gather_kernel(const 
   __shared__ int64_t src_off[paged::kMaxRows];
   const paged::Rows rows = paged::window_rows(p, blockIdx.x, rows_per_cta);
   if (rows.n == 0) return;  // uniform across the CTA
-  if (static_cast<int>(threadIdx.x) < rows.n) src_off[threadIdx.x] = paged::source_offset(p, rows.t0 + threadIdx.x);
+  const int tid = static_cast<int>(threadIdx.x);
+  const bool walk = __syncthreads_and(paged::cu_monotone_part(p, tid)) != 0;
+  paged::map_rows(p, rows, src_off, tid, walk);
   __syncthreads();
   const Op op(p);
-  paged::stream_rows<Op, I>(op, p, src_off, rows, static_cast<int>(threadIdx.x));
+  paged::stream_rows<Op, I>(op, p, src_off, rows, tid);
 }
 
 // Unit batches per thread and window: MLA_EXT_PAGED_GATHER_ROUNDS (1..8,

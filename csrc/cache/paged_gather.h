@@ -11,15 +11,20 @@
 // only (no host sync, CUDA-graph capturable); windows past
 // cu_seq_lens[num_reqs] return after two loads.
 //
-//  1. Mapping, once per CTA: thread i < rows resolves dst row t0 + i to the
-//     byte offset of its cache row (request by binary search over
-//     cu_seq_lens, token = seq_starts[r] + t - cu[r], page = token / B with a
-//     32-bit division, one block-table load) into shared memory. The lanes of
-//     a warp cover consecutive rows, so their searches and block-table loads
-//     hit the same addresses: one memory transaction per page and per step,
-//     paid once per window instead of once per row by a serial warp. The
-//     result is the CPU kernel's gather_source_row (same request for every
-//     row, even for a non-monotone cu_seq_lens; -1 = a zero row).
+//  1. Mapping, once per CTA, resolved once per page: the threads first check
+//     together that cu_seq_lens is non-decreasing (cu_monotone_part, a
+//     __syncthreads_and; num_reqs <= kMaxWalkReqs). If so, thread 0 walks the
+//     window (walk_window): one binary search over cu_seq_lens for the first
+//     row's request, then row by row it moves to the next request when a row
+//     reaches cu[r + 1] (loading seq_starts[r] and dividing once per request)
+//     and advances the slot by one, loading a block-table entry only when a
+//     row enters a new request or page, and writes each row's cache byte
+//     offset into shared memory. Otherwise (a decreasing cu_seq_lens, whose
+//     binary search a walk would not reproduce, or very many requests) thread
+//     i < rows resolves row t0 + i by itself (source_offset: a search, a
+//     32-bit division, one block-table load). Either way the result is the
+//     CPU kernel's gather_source_row, bit for bit (-1 = a zero row: a block id
+//     out of range, a logical block past the table, a token before 0).
 //  2. Streaming: the window is rows x U units (a unit = 16 source bytes on
 //     the vector paths); thread k takes units k, k + kThreads, ... in batches
 //     of kUnroll: all kUnroll loads of a batch are issued before the first
@@ -81,14 +86,10 @@ MLA_HOST_DEVICE inline Rows window_rows(const GatherParams& p, int64_t block, in
   return Rows{a, b > a ? static_cast<int32_t>(b - a) : 0};
 }
 
-// Byte offset (from p.cache) of the cache row feeding dst row t, or -1 when
-// the row is written as zeros; the same row as gather_source_row.
-MLA_HOST_DEVICE inline int64_t source_offset(const GatherParams& p, int64_t t) {
-  const int r = find_request(p.cu_seq_lens, p.num_reqs, t);
-  const int64_t tok = (p.seq_starts ? static_cast<int64_t>(p.seq_starts[r]) : 0) + (t - p.cu_seq_lens[r]);
-  if (tok < 0) return -1;
-  int64_t lb, slot;
-  if (tok <= 0x7FFFFFFF) {  // always, in practice: a 32-bit division
+// (logical block, slot) of context position tok >= 0: a 32-bit division
+// whenever tok fits (always, in practice).
+MLA_HOST_DEVICE inline void split_token(const GatherParams& p, int64_t tok, int64_t& lb, int64_t& slot) {
+  if (tok <= 0x7FFFFFFF) {
     const uint32_t u = static_cast<uint32_t>(tok), b = static_cast<uint32_t>(p.block_size);
     const uint32_t q = u / b;
     lb = q;
@@ -97,10 +98,95 @@ MLA_HOST_DEVICE inline int64_t source_offset(const GatherParams& p, int64_t t) {
     lb = tok / p.block_size;
     slot = tok - lb * p.block_size;
   }
+}
+
+// Byte offset (from p.cache) of the first entry of logical block lb of
+// request r, or -1 when lb is past the table or its block id is out of range.
+MLA_HOST_DEVICE inline int64_t page_offset(const GatherParams& p, int r, int64_t lb) {
   if (lb >= p.bt_width) return -1;
   const int32_t pb = p.block_table[static_cast<int64_t>(r) * p.bt_row_stride + lb];
   if (pb < 0 || pb >= p.num_blocks) return -1;
-  return static_cast<int64_t>(pb) * p.block_stride + slot * p.entry_stride;
+  return static_cast<int64_t>(pb) * p.block_stride;
+}
+
+// Byte offset (from p.cache) of the cache row feeding dst row t, or -1 when
+// the row is written as zeros; the same row as gather_source_row. The
+// per-row mapping (one binary search per row), used when the walk below is
+// not allowed.
+MLA_HOST_DEVICE inline int64_t source_offset(const GatherParams& p, int64_t t) {
+  const int r = find_request(p.cu_seq_lens, p.num_reqs, t);
+  const int64_t tok = (p.seq_starts ? static_cast<int64_t>(p.seq_starts[r]) : 0) + (t - p.cu_seq_lens[r]);
+  if (tok < 0) return -1;
+  int64_t lb, slot;
+  split_token(p, tok, lb, slot);
+  const int64_t base = page_offset(p, r, lb);
+  return base < 0 ? -1 : base + slot * p.entry_stride;
+}
+
+// Requests up to which a window checks that cu_seq_lens is non-decreasing
+// (ceil(kMaxWalkReqs / kThreads) loads per thread); above it every window
+// takes the per-row mapping.
+constexpr int kMaxWalkReqs = 8 * kThreads;
+
+// Thread tid's share of the check that cu_seq_lens[0..num_reqs] is
+// non-decreasing (pairs tid, tid + kThreads, ...); the window may walk when
+// every thread answers true (__syncthreads_and). Only then is find_request the
+// largest r with cu[r] <= t, so that a walk reproduces it row by row.
+MLA_HOST_DEVICE inline bool cu_monotone_part(const GatherParams& p, int tid) {
+  if (p.num_reqs > kMaxWalkReqs) return false;
+  bool ok = true;
+  for (int i = tid; i < p.num_reqs; i += kThreads) ok = ok && p.cu_seq_lens[i] <= p.cu_seq_lens[i + 1];
+  return ok;
+}
+
+// The mapping of the whole window by one thread, for a non-decreasing
+// cu_seq_lens: one binary search for the first row's request, then a walk
+// over the rows that advances the request when a row reaches cu[r + 1] and
+// the slot by one per row, with a block-table load (and a division) only when
+// a row enters a new request or a new page. src_off[i] = source_offset(p,
+// rows.t0 + i) for every row of the window.
+MLA_HOST_DEVICE inline void walk_window(const GatherParams& p, Rows rows, int64_t* src_off) {
+  const int32_t* cu = p.cu_seq_lens;
+  int r = find_request(cu, p.num_reqs, rows.t0);
+  int64_t next = r + 1 < p.num_reqs ? cu[r + 1] : INT64_MAX;  // first row of the next request
+  bool enter = true;  // recompute the page from the token (new request, or tok was < 0)
+  int64_t base = -1, lb = 0, slot = 0, tok_base = 0;  // tok = tok_base + t
+  for (int32_t i = 0; i < rows.n; ++i) {
+    const int64_t t = rows.t0 + i;
+    if (t >= next) {
+      do {
+        ++r;
+        next = r + 1 < p.num_reqs ? cu[r + 1] : INT64_MAX;
+      } while (t >= next);
+      enter = true;
+    }
+    if (enter) {
+      tok_base = (p.seq_starts ? static_cast<int64_t>(p.seq_starts[r]) : 0) - cu[r];
+      const int64_t tok = tok_base + t;
+      if (tok < 0) {
+        src_off[i] = -1;  // stays `enter`: the page is found once tok reaches 0
+        continue;
+      }
+      split_token(p, tok, lb, slot);
+      base = page_offset(p, r, lb);
+      enter = false;
+    } else if (++slot == p.block_size) {  // the next page of the same request
+      slot = 0;
+      base = page_offset(p, r, ++lb);
+    }
+    src_off[i] = base < 0 ? -1 : base + slot * p.entry_stride;
+  }
+}
+
+// The mapping stage of window `rows` for thread tid (the kernel's first
+// phase; a __syncthreads follows): thread 0 walks the window when `walk`
+// (cu_seq_lens non-decreasing), else thread i < rows.n searches row t0 + i.
+MLA_HOST_DEVICE inline void map_rows(const GatherParams& p, Rows rows, int64_t* src_off, int tid, bool walk) {
+  if (walk) {
+    if (tid == 0) walk_window(p, rows, src_off);
+  } else if (tid < rows.n) {
+    src_off[tid] = source_offset(p, rows.t0 + tid);
+  }
 }
 
 // ---------------------------------------------------------------------------

@@ -97,7 +97,9 @@ int mla_emulate_paged_gather(const uint8_t* cache, int64_t block_stride, int64_t
     for (int64_t block = 0; block < grid; ++block) {
       const paged::Rows w = paged::window_rows(p, block, rows);
       if (w.n == 0) continue;
-      for (int tid = 0; tid < w.n; ++tid) src_off[tid] = paged::source_offset(p, w.t0 + tid);
+      bool walk = true;  // __syncthreads_and over the threads' shares
+      for (int tid = 0; tid < paged::kThreads; ++tid) walk = paged::cu_monotone_part(p, tid) && walk;
+      for (int tid = 0; tid < paged::kThreads; ++tid) paged::map_rows(p, w, src_off.data(), tid, walk);
       // __syncthreads()
       for (int tid = 0; tid < paged::kThreads; ++tid) {
         const Op op(p);
