@@ -135,6 +135,10 @@ setup(
     package_data={"mla_ext": ["dispatch_tables/*.json", "dispatch_tables/README.md"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "numpy"],
+    # vLLM loads general plugins in every process; mla_ext's registers the
+    # MLA_EXT prefill backend and changes nothing unless it is selected
+    # (mla_ext/vllm/plugin.py).
+    entry_points={"vllm.general_plugins": ["mla_ext = mla_ext.vllm.plugin:register"]},
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),
     zip_safe=False,

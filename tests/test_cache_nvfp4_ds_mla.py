@@ -102,10 +102,10 @@ def independent_encode(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
                 amax = np.float32(np.abs(block).max())
                 scale = max(np.float32(amax / np.float32(6.0)), np.float32(2.0**-9))  # fp32 division
                 sb = _e4m3_byte(float(scale))
-                sval = np.float32(_e4m3_value(sb))
+                inv = np.float32(np.float32(1.0) / np.float32(_e4m3_value(sb)))  # vLLM: 1.0f / sf
                 codes = []
                 for v in block:
-                    q = np.float32(v / sval)  # fp32 division, x / scale
+                    q = np.float32(v * inv)  # fp32 multiply by the reciprocal, as vLLM's writer
                     sign = 8 if math.copysign(1.0, float(q)) < 0 else 0
                     codes.append(sign | _nearest(abs(float(q)), E2M1_GRID))
             for j in range(8):  # element 2j in the low nibble of byte j
@@ -541,3 +541,35 @@ def test_mla_prefill_with_an_nvfp4_ds_mla_layer(workspace_rows):
     native = MLAPrefill(TINY, cfg, make_weight("dense", w), prefix="model.layers.0.self_attn",
                         workspace_rows_override=workspace_rows, max_num_seqs=8)
     assert native.kv_cache_dtype == "auto" and native.spec.storage_dtype == torch.bfloat16
+
+
+def _division_codes(kv_c: torch.Tensor) -> torch.Tensor:
+    """The e2m1 codes a writer that DIVIDES by the block scale would store ([T, 512])."""
+    sbytes = ref.nvfp4_block_scale_bytes(kv_c)
+    s = sbytes.view(torch.float8_e4m3fn).float()
+    x = kv_c.float().reshape(kv_c.shape[0], 32, 16)
+    return ref.e2m1_codes(x / s[:, :, None]).reshape(kv_c.shape[0], L)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+def test_writer_multiplies_by_the_reciprocal_like_vllm(device):
+    """vLLM's writer stores e2m1(x * (1.0f / sf)), an IEEE reciprocal then a multiply;
+    a division differs at e2m1 rounding ties (the issue measured 73 of 180,224 bytes on
+    512 random bf16 tokens). The written codes must be the reciprocal's everywhere, and
+    the data must hold ties where the division would differ (else the test proves nothing)."""
+    gen = torch.Generator().manual_seed(18)
+    T = 512
+    kv = torch.randn(T, L, generator=gen).to(torch.bfloat16)
+    pe = torch.randn(T, R, generator=gen).to(torch.bfloat16)
+    dev = torch.device(device)
+    cache = torch.full((T // 16, 16, ENTRY), 0xAB, dtype=torch.uint8, device=dev)
+    slots = torch.arange(T, dtype=torch.int64)
+    api.concat_and_cache_mla(kv.to(dev), pe.to(dev), cache, slots.to(dev), FMT, torch.ones(1, device=dev))
+    rows = cache.cpu().reshape(T, ENTRY)
+    assert torch.equal(rows, independent_encode(kv, pe))
+    packed = rows[:, :L // 2].to(torch.int32)
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(T, L)
+    division = _division_codes(kv).to(torch.int32)
+    differ = int((codes != division).sum())
+    assert 0 < differ < T * L // 1000, differ

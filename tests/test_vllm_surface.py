@@ -100,7 +100,12 @@ def test_signature_is_vllms(name):
 
         params = inspect.signature(ops.merge_attn_states).parameters.values()
         got = [(p.name, _REQ if p.default is inspect.Parameter.empty else p.default) for p in params]
-        assert [a.name for a in schema.arguments] == [a for a, _ in want]
+        # The op's schema has torch.ops._C.merge_attn_states's order (vLLM's csrc
+        # torch_bindings): output, output_lse, prefix_output, prefix_lse,
+        # suffix_output, suffix_lse, prefill_tokens_with_context, output_scale.
+        assert [a.name for a in schema.arguments] == [
+            "output", "output_lse", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
+            "prefill_tokens_with_context", "output_scale"]
     else:
         got = [(a.name, a.default_value if a.has_default_value() else _REQ) for a in schema.arguments]
     assert got == want
@@ -283,6 +288,26 @@ def test_upconvert_nvfp4_matches_reference(seed, extra_rows):
     ops.cp_gather_and_upconvert_nvfp4_kv_cache(src_cache=cache, dst=kw, block_table=bt, workspace_starts=ws,
                                                batch_size=4)
     assert same_bits(kw, want)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", pytest.param("nvfp4_ds_mla", marks=needs_nvfp4)])
+@pytest.mark.parametrize("batch_size", [4, 2, 0])
+def test_upconvert_takes_vllms_own_call(fmt, batch_size):
+    """vLLM 0.33's _compute_prefill_context (and its context-parallel variant) passes
+    workspace_starts=chunk.cu_seq_lens, R + 1 entries, with batch_size=R, and
+    dst=workspace[:toks]; its kernel reads the first batch_size entries and runs the
+    last request to dst's end. A shorter batch_size reads a prefix of the array."""
+    cache, _, bt, cu, starts = _gather_inputs(fmt, 512, 64, 7)
+    starts = starts if fmt == "fp8_ds_mla" else None
+    rows = int(cu[batch_size]) if batch_size else 0
+    want = _upconvert_want(cache, bt[:batch_size], cu[:batch_size].clone(), rows,
+                           None if starts is None else starts[:batch_size], fmt)
+    got, _ = poisoned_dst(rows, 576, BF16)
+    op = (ops.cp_gather_and_upconvert_fp8_kv_cache if fmt == "fp8_ds_mla"
+          else ops.cp_gather_and_upconvert_nvfp4_kv_cache)
+    extra = {"seq_starts": starts} if fmt == "fp8_ds_mla" else {}
+    op(src_cache=cache, dst=got, block_table=bt, workspace_starts=cu.clone(), batch_size=batch_size, **extra)
+    assert same_bits(got, want)
 
 
 def test_gathers_through_the_triton_backend():
@@ -473,8 +498,8 @@ REFUSALS = {
     "host_row_ids": (lambda x: _upconvert(x, host_row_ids=torch.zeros(3, dtype=I32)), r"host_row_ids: expected None"),
     "device_row_ids": (lambda x: _upconvert(x, device_row_ids=torch.zeros(3, dtype=I32)),
                        r"device_row_ids: expected None"),
-    "upconvert_batch_size": (lambda x: _upconvert(x, batch_size=3),
-                             r"batch_size: expected len\(workspace_starts\) = 4, got 3"),
+    "upconvert_batch_size": (lambda x: _upconvert(x, batch_size=5),
+                             r"batch_size: expected an int in \[0, 4\] \(len\(workspace_starts\)"),
     "upconvert_dst_width": (lambda x: _upconvert(x, dst=x["ddst"][:, :512]), r"dst: expected 576 columns"),
     "upconvert_dst_dtype": (lambda x: _upconvert(x, dst=x["ddst"].half()), r"dst: expected dtype torch.bfloat16"),
     "upconvert_workspace_starts": (lambda x: _upconvert(x, workspace_starts=x["ws"].long()),
@@ -536,7 +561,7 @@ if HAS_NVFP4:
         ops.cp_gather_and_upconvert_nvfp4_kv_cache(**args)
 
     REFUSALS.update({
-        "nvfp4_batch_size": (lambda x: _nvfp4(x, batch_size=5), r"batch_size: expected len\(workspace_starts\) = 4"),
+        "nvfp4_batch_size": (lambda x: _nvfp4(x, batch_size=5), r"batch_size: expected an int in \[0, 4\]"),
         "nvfp4_dst_width": (lambda x: _nvfp4(x, dst=x["ddst"][:, :512]), r"dst: expected 576 columns"),
         "nvfp4_cache": (lambda x: _nvfp4(x, src_cache=x["ds"]), r"src_cache: "),
     })
@@ -608,12 +633,13 @@ def _opcheck_cases():
          (x["ds"], x["ddst"], x["dbt"], x["ws"], 4, x["dstarts"]), {}),
         *([("upconvert_nvfp4", ops.cp_gather_and_upconvert_nvfp4_kv_cache,
             (torch.zeros(6, 16, 352, dtype=torch.uint8), x["ddst"], x["dbt"], x["ws"], 4), {})] if HAS_NVFP4 else []),
-        # The merge op itself takes every argument (its defaults live on ops.merge_attn_states).
-        ("merge", merge_op, (x["out"], o1, lse1, o2, lse2, None, None, None), {}),
-        ("merge_lse", merge_op, (x["out"], o1, lse1, o2, lse2, torch.empty_like(lse1), None, None), {}),
-        ("merge_p", merge_op, (x["out"], o1, lse1, o2, lse2, torch.empty_like(lse1)),
+        # The merge op itself takes every argument (its defaults live on ops.merge_attn_states),
+        # in torch.ops._C.merge_attn_states's order: output, output_lse, prefix..., suffix...
+        ("merge", merge_op, (x["out"], None, o1, lse1, o2, lse2, None, None), {}),
+        ("merge_lse", merge_op, (x["out"], torch.empty_like(lse1), o1, lse1, o2, lse2, None, None), {}),
+        ("merge_p", merge_op, (x["out"], torch.empty_like(lse1), o1, lse1, o2, lse2),
          {"prefill_tokens_with_context": 4, "output_scale": None}),
-        ("merge_fp8", merge_op, (fp8_out, o1, lse1, o2, lse2, torch.empty_like(lse1), 6,
+        ("merge_fp8", merge_op, (fp8_out, torch.empty_like(lse1), o1, lse1, o2, lse2, 6,
                                  torch.tensor(0.1)), {}),
     ]
 
@@ -741,18 +767,18 @@ def vllm_style_prefill(q, kv_c_new, k_pe_new, kv_cache, kv_cache_dtype, k_scale,
         if fmt.name == "nvfp4_ds_mla":  # vLLM's signature has no seq_starts: one chunk from token 0
             assert i == 0
             if positional:
-                ops.cp_gather_and_upconvert_nvfp4_kv_cache(kv_cache, workspace[:toks], table, cu[i, :-1], n_ctx)
+                ops.cp_gather_and_upconvert_nvfp4_kv_cache(kv_cache, workspace[:toks], table, cu[i], n_ctx)
             else:
                 ops.cp_gather_and_upconvert_nvfp4_kv_cache(src_cache=kv_cache, dst=workspace[:toks],
-                                                           block_table=table, workspace_starts=cu[i, :-1],
+                                                           block_table=table, workspace_starts=cu[i],
                                                            batch_size=n_ctx)
         elif fmt.name == "fp8_ds_mla":
             if positional:
-                ops.cp_gather_and_upconvert_fp8_kv_cache(kv_cache, workspace[:toks], table, cu[i, :-1], n_ctx,
+                ops.cp_gather_and_upconvert_fp8_kv_cache(kv_cache, workspace[:toks], table, cu[i], n_ctx,
                                                          starts[i])
             else:
                 ops.cp_gather_and_upconvert_fp8_kv_cache(
-                    src_cache=kv_cache, dst=workspace[:toks], block_table=table, workspace_starts=cu[i, :-1],
+                    src_cache=kv_cache, dst=workspace[:toks], block_table=table, workspace_starts=cu[i],
                     batch_size=n_ctx, seq_starts=starts[i])
         elif raw_gather:  # FP8 prefill: the raw bytes, dequantized by the consumer
             if positional:

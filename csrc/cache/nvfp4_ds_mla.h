@@ -34,10 +34,13 @@ MLA_HOST_DEVICE inline uint32_t e2m1_magnitude_index(float a) {
          static_cast<uint32_t>(a > 5.0f);
 }
 
-// Finite x -> e2m1 code of x / scale; the sign bit is x's own (so -0.0 and
-// small negatives that round to zero give code 8, as a hardware cvt does).
-MLA_HOST_DEVICE inline uint32_t encode_e2m1(float x, float scale) {
-  const float q = x / scale;  // IEEE division, as the reference's torch division
+// Finite x -> e2m1 code of x * inv_scale; the sign bit is x's own (so -0.0
+// and small negatives that round to zero give code 8, as a hardware cvt does).
+// inv_scale is the IEEE-rounded 1 / scale, not the division x / scale: vLLM's
+// writer multiplies by the reciprocal, and at e2m1 rounding ties the two
+// differ (byte compatibility with vLLM's caches is the contract).
+MLA_HOST_DEVICE inline uint32_t encode_e2m1(float x, float inv_scale) {
+  const float q = x * inv_scale;
   const uint32_t sign = (fp8::f32_bits(q) >> 28) & 8u;
   return sign | e2m1_magnitude_index(q < 0.0f ? -q : q);
 }
@@ -67,11 +70,13 @@ MLA_HOST_DEVICE inline uint8_t encode_block(const float* x, uint32_t* words) {
     amax = a > amax ? a : amax;
   }
   const uint8_t sb = block_scale_byte(amax, finite);
-  const float s = fp8::decode_e4m3(sb);
+  // Exact IEEE reciprocal (no fast math in this project's flags) of a
+  // positive e4m3 value, then a multiply per element, as vLLM's writer.
+  const float inv = 1.0f / fp8::decode_e4m3(sb);
   uint32_t w0 = 0, w1 = 0;
   for (int j = 0; j < 8; ++j) {
-    w0 |= encode_e2m1(x[j], s) << (4 * j);
-    w1 |= encode_e2m1(x[8 + j], s) << (4 * j);
+    w0 |= encode_e2m1(x[j], inv) << (4 * j);
+    w1 |= encode_e2m1(x[8 + j], inv) << (4 * j);
   }
   words[0] = finite ? w0 : 0u;  // a NaN-scale block keeps all-zero codes
   words[1] = finite ? w1 : 0u;

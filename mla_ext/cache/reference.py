@@ -154,7 +154,9 @@ def encode_nvfp4_ds_mla_row(kv_c: Tensor, k_pe: Tensor) -> Tensor:
     sbytes = nvfp4_block_scale_bytes(kv_c)
     svals = sbytes.view(torch.float8_e4m3fn).float()
     x = kv_c.float().reshape(T, nb, bs)
-    codes = e2m1_codes(x / svals[:, :, None])  # IEEE fp32 division, as the kernels
+    # x * (1 / s) in fp32, not x / s: vLLM's writer multiplies by the exact
+    # reciprocal of the block scale and the two differ at e2m1 rounding ties.
+    codes = e2m1_codes(x * (1.0 / svals)[:, :, None])
     codes = torch.where((sbytes == Nvfp4DsMla.NAN_SCALE_BYTE)[:, :, None], torch.zeros_like(codes), codes)
     codes = codes.reshape(T, Nvfp4DsMla.LATENT_DIM).to(torch.int32)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # element 2j in the low nibble

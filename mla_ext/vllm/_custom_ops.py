@@ -38,8 +38,10 @@ cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_star
                                      seq_starts=None, host_cache=None, host_row_ids=None,
                                      device_row_ids=None)
     The native fp8_ds_mla gather into bf16 [tokens, 576]. ``workspace_starts``
-    [batch_size] gives where each request's rows start in dst; as in vLLM the
-    last request runs to dst's last row (pass the chunk's rows, workspace[:toks]).
+    [>= batch_size] gives where each request's rows start in dst; as in vLLM's
+    kernel only the first batch_size entries are read (vLLM itself passes the
+    chunk's cu_seq_lens, R + 1 entries, with batch_size = R) and the last
+    request runs to dst's last row (pass the chunk's rows, workspace[:toks]).
     Extra work: one tiny device tensor, cu_seq_lens = workspace_starts + [dst
     rows] (a cat, no host sync). The host-cache arguments (vLLM's rows of an
     offloaded cache) are not supported: anything but None is refused.
@@ -164,7 +166,11 @@ def _check_upconvert(op, src_cache, dst, block_table, workspace_starts, batch_si
     _check(dst.size(1) == UPCONVERT_DST_WIDTH,
            f"dst: expected {UPCONVERT_DST_WIDTH} columns (512 latent + 64 rope, bf16), got {dst.size(1)}")
     _tensor(workspace_starts, "workspace_starts", 1, torch.int32)
-    _batch_size(batch_size, workspace_starts.numel(), "len(workspace_starts)")
+    # vLLM's own callers pass the chunk's cu_seq_lens (R + 1 entries) with
+    # batch_size = R, and its kernel reads the first batch_size entries.
+    _check(_is_int(batch_size) and 0 <= batch_size <= workspace_starts.numel(),
+           f"batch_size: expected an int in [0, {workspace_starts.numel()}] (len(workspace_starts); "
+           f"the first batch_size entries are read), got {batch_size!r}")
     _one_device(op, src_cache=src_cache, dst=dst, block_table=block_table, workspace_starts=workspace_starts,
                 seq_starts=seq_starts)
 
@@ -265,6 +271,20 @@ def _check_merge_memory(output, prefix_output, prefix_lse, suffix_output, suffix
             check_no_overlap(w_part, w_name, r, r_name, in_place=same_ok)
 
 
+def _format_bytes(cache: Tensor, kv_cache_dtype: str) -> Tensor:
+    """A float8-typed cache of a quantized format, seen as its raw bytes.
+
+    vLLM's MLAAttention views every quantized per-tensor cache as the
+    platform's fp8 dtype (float8_e4m3fn) before its ops, also an fp8_e5m2 one:
+    its kernels read the bytes by the format string. The native API checks a
+    float8 cache's dtype against the format, so the surface passes the bytes
+    (uint8, no copy) and the format string decides, as in vLLM."""
+    if (isinstance(cache, Tensor) and cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            and isinstance(kv_cache_dtype, str) and kv_cache_dtype not in ("auto", "bfloat16", "float16")):
+        return cache.view(torch.uint8)
+    return cache
+
+
 def _same_view(a: Tensor, b: Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)
@@ -292,7 +312,8 @@ def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapp
                          kv_cache_dtype: str, scale: Tensor, skip_scale: bool = False) -> None:
     _check_concat(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, skip_scale)
     k_scale = _unit_scale(kv_cache.device) if skip_scale else scale
-    cache_api.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+    cache_api.concat_and_cache_mla(kv_c, k_pe, _format_bytes(kv_cache, kv_cache_dtype), slot_mapping,
+                                   kv_cache_dtype, k_scale)
 
 
 @concat_and_cache_mla.register_fake
@@ -306,8 +327,9 @@ def gather_and_maybe_dequant_cache(src_cache: Tensor, dst: Tensor, block_table: 
                                    seq_starts: Optional[Tensor] = None) -> None:
     _check_gather(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens, kv_cache_dtype, scale,
                   seq_starts)
-    cache_api.gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, cu_seq_lens.numel() - 1,
-                                             kv_cache_dtype, scale, seq_starts)
+    cache_api.gather_and_maybe_dequant_cache(_format_bytes(src_cache, kv_cache_dtype), dst, block_table,
+                                             cu_seq_lens, cu_seq_lens.numel() - 1, kv_cache_dtype, scale,
+                                             seq_starts)
 
 
 @gather_and_maybe_dequant_cache.register_fake
@@ -336,7 +358,7 @@ def _upconvert(src_cache, dst, block_table, workspace_starts, batch_size, seq_st
     last one runs to dst's end: the native op's cu_seq_lens, built on the device
     (one tiny cat, no host sync). The format ignores the scale argument."""
     end = workspace_starts.new_full((1,), dst.size(0))
-    cu_seq_lens = torch.cat([workspace_starts, end])
+    cu_seq_lens = torch.cat([workspace_starts[:batch_size], end])
     cache_api.gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, kv_cache_dtype,
                                              _unit_scale(src_cache.device), seq_starts)
 
@@ -366,10 +388,13 @@ def _(src_cache, dst, block_table, workspace_starts, batch_size, seq_starts=None
 # ("tuple index out of range") when a mutated optional argument with a default
 # (output_lse) is left out or passed as None with nothing after it (2.14 guards
 # it). vLLM's defaults live on the Python function `merge_attn_states` below,
-# which always passes every argument.
+# which always passes every argument. The op's argument ORDER is
+# torch.ops._C.merge_attn_states's (output, output_lse, prefix_output, ...),
+# so code written against vLLM's torch op runs unchanged; the Python function
+# below has vLLM's _custom_ops order (output_lse 6th), as vLLM's wrapper.
 @torch.library.custom_op(f"{NAMESPACE}::merge_attn_states", mutates_args=("output", "output_lse"))
-def _merge_attn_states_op(output: Tensor, prefix_output: Tensor, prefix_lse: Tensor, suffix_output: Tensor,
-                          suffix_lse: Tensor, output_lse: Optional[Tensor],
+def _merge_attn_states_op(output: Tensor, output_lse: Optional[Tensor], prefix_output: Tensor,
+                          prefix_lse: Tensor, suffix_output: Tensor, suffix_lse: Tensor,
                           prefill_tokens_with_context: Optional[int],
                           output_scale: Optional[Tensor]) -> None:
     _check_merge(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
@@ -401,7 +426,7 @@ def _merge_attn_states_op(output: Tensor, prefix_output: Tensor, prefix_lse: Ten
 
 
 @_merge_attn_states_op.register_fake
-def _(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+def _(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
       prefill_tokens_with_context, output_scale):
     _check_merge(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
                  prefill_tokens_with_context, output_scale)
@@ -411,8 +436,9 @@ def merge_attn_states(output: Tensor, prefix_output: Tensor, prefix_lse: Tensor,
                       suffix_lse: Tensor, output_lse: Optional[Tensor] = None,
                       prefill_tokens_with_context: Optional[int] = None,
                       output_scale: Optional[Tensor] = None) -> None:
-    """vLLM 0.33's merge_attn_states (the op `mla_ext_vllm::merge_attn_states`)."""
-    _merge_attn_states_op(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+    """vLLM 0.33's merge_attn_states (the op `mla_ext_vllm::merge_attn_states`, whose
+    arguments are in torch.ops._C.merge_attn_states's order)."""
+    _merge_attn_states_op(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
                           prefill_tokens_with_context, output_scale)
 
 
