@@ -263,24 +263,85 @@ def _vllm_small(group_size=-1, act=torch.bfloat16):
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda q, s: (q, s, 200, 256, -1, torch.bfloat16), r"size_n: expected a positive multiple of 64"),
+    (lambda q, s: (q, s, 200, 256, -1, torch.bfloat16), r"qweight: expected shape \[K_pad/16, 4\*N_pad\] .*N_pad >= 256"),
     (lambda q, s: (q, s, 128, 200, -1, torch.bfloat16), r"size_k: expected a positive multiple of 16"),
     (lambda q, s: (q, s, 128, 256, 64, torch.bfloat16), r"group_size: expected -1 .* or 128"),
     (lambda q, s: (q, s, 128, 256, -1, torch.float32), r"act_dtype"),
-    (lambda q, s: (q.view(-1, 256), s, 128, 256, -1, torch.bfloat16), r"qweight: expected shape \[size_k/16"),
+    (lambda q, s: (q.view(-1, 256), s, 128, 256, -1, torch.bfloat16), r"qweight: expected shape \[K_pad/16"),
     (lambda q, s: (q.float(), s, 128, 256, -1, torch.bfloat16), r"qweight: expected torch.int32"),
     (lambda q, s: (q.t().contiguous().t(), s, 128, 256, -1, torch.bfloat16), r"qweight: expected a contiguous"),
     (lambda q, s: (q, s.float(), 128, 256, -1, torch.bfloat16), r"scales: expected torch.bfloat16"),
     (lambda q, s: (q, s, 128, 256, -1, torch.float16), r"scales: expected torch.float16"),
-    (lambda q, s: (q, s[:, :64], 128, 256, -1, torch.bfloat16), r"scales: expected shape \[G, size_n\]"),
-    (lambda q, s: (q, s, 128, 256, 128, torch.bfloat16), r"scales: expected shape \[G, size_n\] = \[2, 128\]"),
+    (lambda q, s: (q, s[:, :64], 128, 256, -1, torch.bfloat16), r"scales: expected shape \[G, N_pad\]"),
+    (lambda q, s: (q, s, 128, 256, 128, torch.bfloat16), r"scales: expected shape \[G, N_pad\] with G >= 2"),
     (lambda q, s: (q, torch.full_like(s, float("inf")), 128, 256, -1, torch.bfloat16), r"scales: expected finite"),
-], ids=["n_not_64", "k_not_16", "group_64", "act_fp32", "q_shape", "q_dtype", "q_strided", "s_fp32",
+], ids=["n_past_qweight", "k_not_16", "group_64", "act_fp32", "q_shape", "q_dtype", "q_strided", "s_fp32",
         "s_dtype_mismatch", "s_shape", "s_groups", "s_inf"])
 def test_from_vllm_bad_arguments_name_the_argument(mutate, match):
     q, s = _vllm_small()
     with pytest.raises(ValueError, match=match):
         marlin_fp8_from_vllm(*mutate(q, s))
+
+
+def _vllm_padded_nk(n, k, group_size):
+    """vLLM 0.33's Marlin thread-tile padding (marlin_utils.marlin_padded_nk, from
+    its documented rule): the cheaper of (N to 64, K to lcm(128, g)) and (N to 128,
+    K to lcm(64, g)) by padded area, then by padded sum."""
+    import math
+
+    def up(x, m):
+        return -(-x // m) * m
+
+    g = group_size if group_size > 0 else 1
+    cands = ((up(n, 64), up(k, math.lcm(128, g))), (up(n, 128), up(k, math.lcm(64, g))))
+    return min(cands, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
+
+
+def vllm_padded_encode(w, s, group_size, act, pad=None):
+    """What vLLM 0.33 leaves after prepare_fp8_layer_for_marlin for a shape Marlin
+    must pad: the weight zero-padded to (N_pad, K_pad), scales padded, then packed."""
+    n, k = w.shape
+    np_, kp = pad or _vllm_padded_nk(n, k, group_size)
+    wp = torch.zeros(np_, kp, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    wp[:n, :k] = w
+    if group_size == -1:
+        sp = torch.ones(np_)
+        sp[:n] = s
+    else:
+        sp = torch.ones(kp // 128, np_)
+        sp[: k // 128, :n] = s
+    return vllm_marlin_encode(wp, sp, group_size, act)
+
+
+@pytest.mark.parametrize("n,k,group_size,pad", [
+    (200, 512, -1, None),      # DeepSeek-size K, N=200 -> 256 (the issue's case)
+    (200, 512, 128, None),     # block fp8: group 128
+    (200, 400, -1, None),      # K padded too: 400 -> 448
+    (576, 64, -1, None),       # N padded past its 64-tile (576 -> 640): one copy
+    (130, 256, 128, (256, 256)),  # N to 128 (192 would do): cut to 192 with one copy
+])
+def test_from_vllm_takes_padded_layers_with_the_true_sizes(n, k, group_size, pad):
+    w, s, _ = _case(n, k, group_size, seed=n + k)
+    act = torch.bfloat16
+    q_pad, s_pad = vllm_padded_encode(w, s, group_size, act, pad)
+    assert q_pad.shape[1] // 4 > n or q_pad.shape[0] * 16 > k  # really padded
+    got = marlin_fp8_from_vllm(q_pad, s_pad, n, k, group_size, act)
+    assert (got.N, got.K) == (n, k)
+    if q_pad.shape[1] // 4 == -(-n // 64) * 64:  # no N copy: a view of vLLM's own tensor
+        assert got.qweight.data_ptr() == q_pad.data_ptr()
+    want = marlin_fp8_dequantize(marlin_fp8_repack(w, s, act, group_size=group_size))
+    assert torch.equal(marlin_fp8_dequantize(got), want)
+
+
+def test_from_vllm_refuses_padding_vllm_would_not_make():
+    """A qweight wider or longer than vLLM's Marlin padding of the stated sizes
+    means the sizes are not the weight's: refused, not silently cut."""
+    w, s, _ = _case(256, 512, -1, seed=5)
+    q, sc = vllm_marlin_encode(w, s, -1, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"do the stated sizes belong to this weight"):
+        marlin_fp8_from_vllm(q, sc, 128, 512, -1, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"do the stated sizes belong to this weight"):
+        marlin_fp8_from_vllm(q, sc, 256, 256, -1, torch.bfloat16)
 
 
 def test_from_vllm_params_dtype_must_be_16_bit():

@@ -124,6 +124,9 @@ def test_vllm_forward_mha_with_the_plugin(vllm_run, fmt, dtype, batch):
     assert c["rel_vs_oracle"] <= tol, c
     assert c["mla_prefill_vs_oracle"] <= tol, c
     assert c["rel_vs_mla_prefill"] <= 2 * tol, c
+    # vLLM's real ColumnParallelLinear read by weight_format_from_module, and the
+    # W_UK_T / W_UV its split_kv_b_proj gives turned back into kv_b_proj: exact.
+    assert c["from_module_exact"] and c["w_uk_uv_exact"]
     if c["chunks"]:  # every cache op vLLM called went to mla_ext's
         assert "vllm._custom_ops.concat_and_cache_mla" in c["routed"]
         assert "vllm.model_executor.layers.attention.mla_attention.merge_attn_states" in c["routed"]

@@ -12,7 +12,9 @@ layer or any object with the checkpoint's attribute names holds:
 | `weight` fp8 e4m3 + `weight_scale` [], [1], [N] or [N, 1] | Fp8Weight per-tensor / per-channel |
 | `weight` uint8 [N, K/2] + `weight_scale` e4m3 [N, K/16] + `weight_scale_2` | Nvfp4Weight (ModelOpt) |
 | `qweight` int32 [K/8, N] + `scales` [K/g, N] (+ `qzeros`/`zeros`, `g_idx`) | Int4GroupWeight (GPTQ layout) |
-| `weight` int32 [K/16, 4N] + `weight_scale` or `weight_scale_inv` [G, N] + a `workspace` (or `marlin_workspace`) attribute | MarlinFp8Weight (vLLM Marlin fp8 after loading, no copy) |
+| `weight` int32 [K_pad/16, 4N_pad] + `weight_scale` or `weight_scale_inv` [G, N_pad] + a `workspace` (or `marlin_workspace`) attribute, or `quant_method.use_marlin` (vLLM 0.33) | MarlinFp8Weight (vLLM Marlin fp8 after loading; padded N/K cut to the stated sizes, no copy) |
+| `weight` uint8 + `weight_scale` + `weight_global_scale` (0-d) | Nvfp4Weight (vLLM 0.33 post-load; weight padded to 32 cut to the stated sizes; scale layout stated) |
+| `W_UK_T` [N, P, L] + `W_UV` [N, L, V] (vLLM's MLA attention after process_weights_after_loading) | DenseWeight (`from_vllm_mla`) |
 
 Model dtype (`params_dtype` of the result): the `params_dtype` argument, else
 the object's `compute_dtype`, `params_dtype` or `orig_dtype` (vLLM's fp8
@@ -51,10 +53,13 @@ Other facts:
 - int32 `.weight` is read as vLLM's post-load Marlin fp8 layout (mla_ext's
   own, see mla_ext/kv_b_proj/marlin.py) only when the object says it is one:
   it has the Marlin `workspace` (or `marlin_workspace`) attribute vLLM's
-  `prepare_fp8_layer_for_marlin` sets, or the caller calls
+  `prepare_fp8_layer_for_marlin` set before 0.33, or its `quant_method` says
+  so (vLLM 0.33's Fp8LinearMethod: `use_marlin = True`), or the caller calls
   `MarlinFp8Weight.from_vllm_layer(layer)` itself. The tensors are used
   without a copy. Sizes: `output_size_per_partition`/`input_size_per_partition`
-  when stated, else read off the Marlin shape [K/16, 4N]; group size:
+  (the TRUE sizes: vLLM 0.33 zero-pads N and K to Marlin's tiles, N=200 ->
+  256, and the padding is cut off), else read off the Marlin shape [K/16, 4N];
+  group size:
   `weight_block_size[1]` (block fp8), else per-channel; scales: `weight_scale`
   or `weight_scale_inv` (vLLM keeps the checkpoint's name), in the model dtype.
   An int32 weight without such a statement is a ValueError (a shape alone
@@ -75,9 +80,9 @@ from mla_ext.kv_b_proj import weights as W
 from mla_ext.kv_b_proj.input_dtype import declared_compute_dtype
 
 # Names read through getattr (objects may expose them as properties).
-_KNOWN_TENSORS = ("weight", "bias", "weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale",
-                  "qweight", "scales", "qzeros", "zeros", "g_idx")
-_WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2")
+_KNOWN_TENSORS = ("weight", "bias", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale",
+                  "input_scale", "qweight", "scales", "qzeros", "zeros", "g_idx", "W_UK_T", "W_UV")
+_WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale")
 
 
 def _get(obj, name: str):
@@ -134,8 +139,10 @@ def _declared_sizes(obj) -> tuple[int, int] | None:
     return None
 
 
-def _oriented(obj, weight: torch.Tensor, arg: str, per_byte: int = 1) -> torch.Tensor:
-    """The weight as [N, K/per_byte], undoing a stored transpose when the object's sizes tell."""
+def _oriented(obj, weight: torch.Tensor, arg: str, per_byte: int = 1, padded_ok: bool = False) -> torch.Tensor:
+    """The weight as [N, K/per_byte], undoing a stored transpose when the object's sizes tell.
+    `padded_ok`: a weight zero-padded past the stated sizes (vLLM pads NVFP4 weights
+    to multiples of 32 for CUTLASS) is cut to them (a view)."""
     sizes = _declared_sizes(obj)
     if sizes is None or weight.dim() != 2:
         return weight
@@ -144,6 +151,8 @@ def _oriented(obj, weight: torch.Tensor, arg: str, per_byte: int = 1) -> torch.T
         return weight
     if per_byte == 1 and tuple(weight.shape) == want[::-1]:
         return weight.t()
+    if padded_ok and weight.shape[0] >= want[0] and weight.shape[1] >= want[1]:
+        return weight[: want[0], : want[1]]
     raise ValueError(f"{arg}.weight: expected shape {list(want)} from the object's stated sizes "
                      f"(N={sizes[0]}, K={sizes[1]}), got {list(weight.shape)}")
 
@@ -194,7 +203,7 @@ def _fp8(obj, t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype,
     if inv is None and scale is None:
         raise ValueError(f"{arg}: an fp8 weight needs `weight_scale` (per-tensor [1] / per-channel [N]) or "
                          f"`weight_scale_inv` (block 128x128); tensor attributes found: {_listing(t)}")
-    weight = _oriented(obj, weight, arg)
+    weight = _oriented(obj, weight, arg, padded_ok=True)
     n, k = weight.shape
     block_size = _get(obj, "weight_block_size")
     block_shape = (-(-n // ref.FP8_BLOCK), -(-k // ref.FP8_BLOCK))
@@ -209,10 +218,18 @@ def _fp8(obj, t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype,
 
 def _nvfp4(obj, t: dict[str, torch.Tensor], weight: torch.Tensor, dt: torch.dtype, arg: str,
            scale_layout: str | None = None) -> W.Nvfp4Weight:
-    scale, scale_2 = t.get("weight_scale"), t.get("weight_scale_2")
+    # vLLM 0.33's post-load ModelOpt layer replaces `weight_scale_2` by the 0-d
+    # `weight_global_scale` (its max over the fused shards: the same multiplier).
+    scale = t.get("weight_scale")
+    if "weight_scale_2" in t and "weight_global_scale" in t:
+        raise ValueError(f"{arg}: expected one of `weight_scale_2` (checkpoint) or `weight_global_scale` "
+                         f"(vLLM post-load), got both; tensor attributes found: {_listing(t)}")
+    scale_2 = t.get("weight_scale_2", t.get("weight_global_scale"))
     if scale is None or scale_2 is None:
         raise ValueError(f"{arg}: a uint8 weight is read as NVFP4 and needs `weight_scale` (e4m3 [N, K/16]) and "
-                         f"`weight_scale_2` (fp32 global); tensor attributes found: {_listing(t)}")
+                         f"`weight_scale_2` (fp32 global; vLLM post-load: `weight_global_scale`); tensor "
+                         f"attributes found: {_listing(t)}")
+    scale_2 = scale_2.reshape(-1) if scale_2.dim() == 0 else scale_2
     layout = _require_stated(obj, _stated_scale_layout(obj, scale_layout, arg), "NVFP4", W.NVFP4_SCALE_LAYOUTS,
                              arg)
     return W.Nvfp4Weight(weight, scale, scale_2, dt, scale_layout=layout)
@@ -265,8 +282,19 @@ _MARLIN_MARKERS = ("workspace", "marlin_workspace")
 
 
 def _states_vllm_marlin(obj) -> bool:
-    """The object says it is a vLLM Marlin layer (vLLM sets `workspace` when it repacks)."""
-    return any(_get(obj, name) is not None for name in _MARLIN_MARKERS)
+    """The object says it is a vLLM Marlin fp8 layer: a `workspace` attribute (set by
+    vLLM's repack before 0.33), or its quant method says so (vLLM 0.33 sets no
+    workspace; its Fp8LinearMethod has `use_marlin = True` when its kernel is
+    the Marlin FP8 one, and the kernel object's class names Marlin)."""
+    if any(_get(obj, name) is not None for name in _MARLIN_MARKERS):
+        return True
+    method = _get(obj, "quant_method")
+    if method is None:
+        return False
+    if _get(method, "use_marlin") is True:
+        return True
+    kernel = _get(method, "fp8_linear")
+    return kernel is not None and "marlin" in type(kernel).__name__.lower()
 
 
 def _marlin(obj, t: dict[str, torch.Tensor], dt: torch.dtype, arg: str) -> W.MarlinFp8Weight:
@@ -329,6 +357,10 @@ def weight_format_from_module(module, params_dtype: torch.dtype | None = None, *
     if module is None or isinstance(module, (torch.Tensor, str, bytes, int, float, list, tuple)):
         raise ValueError(f"{arg}: expected {accepted}, got {type(module).__name__}")
     t = _tensor_attrs(module)
+    if "W_UK_T" in t and "W_UV" in t and "weight" not in t and "qweight" not in t:
+        # vLLM's MLA attention layer (or impl) after process_weights_after_loading.
+        dense = W.DenseWeight.from_vllm_mla(t["W_UK_T"], t["W_UV"])
+        return dense if params_dtype is None else W.DenseWeight(dense.weight.to(params_dtype))
     if params_dtype is not None and params_dtype not in W.FLOAT_DTYPES:
         raise ValueError(f"params_dtype: expected one of {W.FLOAT_DTYPES} (the model dtype), got {params_dtype}")
     if t.get("bias") is not None:
@@ -354,7 +386,7 @@ def weight_format_from_module(module, params_dtype: torch.dtype | None = None, *
     if wd == torch.float8_e4m3fn:
         return _fp8(module, t, weight, _model_dtype(module, params_dtype, arg, f"{wd} weights"), arg, scale_layout)
     if wd == torch.uint8:
-        weight = _oriented(module, weight, arg, per_byte=2)
+        weight = _oriented(module, weight, arg, per_byte=2, padded_ok=True)
         return _nvfp4(module, t, weight, _model_dtype(module, params_dtype, arg, "NVFP4 (uint8) weights"), arg,
                       scale_layout)
     if wd == torch.int32:

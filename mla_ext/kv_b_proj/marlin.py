@@ -48,6 +48,7 @@ the packing).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -126,22 +127,33 @@ def marlin_fp8_repack(
 
 def marlin_fp8_from_vllm(qweight: torch.Tensor, scales: torch.Tensor, size_n: int, size_k: int,
                          group_size: int, act_dtype: torch.dtype) -> MarlinFp8Packed:
-    """Wraps vLLM's post-load Marlin fp8 tensors as they are (no copy).
+    """Wraps vLLM's post-load Marlin fp8 tensors as they are (no copy where the
+    layouts agree).
 
-    qweight: int32 [size_k/16, 4*size_n] (a layer's `weight` after
-    process_weights_after_loading); scales: [G, size_n] (or [size_n] for
+    qweight: int32 [K_pad/16, 4*N_pad'] (a layer's `weight` after
+    process_weights_after_loading); scales: [G', N_pad'] (or [N_pad'] for
     per-channel) in act_dtype, permuted, exponent bias folded (its
-    `weight_scale` or `weight_scale_inv`); group_size: -1 or 128 (vLLM: -1 for
-    per-tensor/per-channel, weight_block_size[1] for block fp8). The result's
-    tensors are `qweight` and `scales` themselves (a [size_n] scale becomes a
-    [1, size_n] view). One host sync checks the scales are finite.
+    `weight_scale` or `weight_scale_inv`); size_n / size_k: the TRUE sizes
+    (the layer's `output_size_per_partition` / `input_size_per_partition`);
+    group_size: -1 or 128 (vLLM: -1 for per-tensor/per-channel,
+    weight_block_size[1] for block fp8).
+
+    vLLM 0.33 zero-pads N and K to Marlin's thread tiles (`marlin_padded_nk`:
+    N to 64 or 128, K to 128 or 64 and to the group size; N=200 -> 256), so
+    the tensors may be larger than [size_k/16, 4*size_n]. Padding is zero
+    bytes and zero scales, and the tiles are laid out k-tile-row by k-tile-row,
+    so the first size_k/16 rows of qweight and the first ceil(size_k/group)
+    rows of the scales are the true weight's (contiguous views, no copy) when
+    N_pad' is mla_ext's N_pad (size_n rounded up to 64; true whenever
+    vLLM's padded K is a multiple of 128, as for every kv_b_proj); a wider N
+    padding is cut to N_pad with one copy. size_k must be a multiple of 16
+    (of 128 with group_size=128): mla_ext's GEMM does not mask K.
+    One host sync checks the scales are finite.
     """
     for name, v in (("size_n", size_n), ("size_k", size_k), ("group_size", group_size)):
         _require(isinstance(v, int) and not isinstance(v, bool), f"{name}: expected an int, got {v!r}")
     _require(act_dtype in ACT_DTYPES, f"act_dtype: expected torch.bfloat16 or torch.float16, got {act_dtype}")
-    _require(size_n > 0 and size_n % TILE_N == 0,
-             f"size_n: expected a positive multiple of 64 (vLLM's Marlin requires output_size_per_partition "
-             f"% 64 == 0), got {size_n}")
+    _require(size_n > 0, f"size_n: expected a positive int (the true N, output_size_per_partition), got {size_n}")
     _require(size_k > 0 and size_k % 16 == 0, f"size_k: expected a positive multiple of 16, got {size_k}")
     _require(group_size in GROUP_SIZES,
              f"group_size: expected -1 (per-channel) or 128 (group-128 / block fp8), got {group_size}")
@@ -150,22 +162,38 @@ def marlin_fp8_from_vllm(qweight: torch.Tensor, scales: torch.Tensor, size_n: in
     _require(isinstance(qweight, torch.Tensor), f"qweight: expected a tensor, got {type(qweight).__name__}")
     _require(isinstance(scales, torch.Tensor), f"scales: expected a tensor, got {type(scales).__name__}")
     _require(qweight.dtype == torch.int32, f"qweight: expected torch.int32 (Marlin-packed), got {qweight.dtype}")
-    want_q = (size_k // 16, 4 * size_n)
-    _require(tuple(qweight.shape) == want_q,
-             f"qweight: expected shape [size_k/16, 4*size_n] = {list(want_q)} (vLLM's Marlin layout), "
-             f"got {list(qweight.shape)}")
+    n_pad = -(-size_n // TILE_N) * TILE_N
+    _require(qweight.dim() == 2 and qweight.shape[0] * 16 >= size_k and qweight.shape[1] % (4 * TILE_N) == 0
+             and qweight.shape[1] >= 4 * n_pad,
+             f"qweight: expected shape [K_pad/16, 4*N_pad] with K_pad >= size_k={size_k} and N_pad >= {n_pad} a "
+             f"multiple of 64 (vLLM's Marlin layout, possibly zero-padded), got {list(qweight.shape)}")
+    # Only the padding vLLM's rule can produce (N to 64 or 128, K to at most
+    # lcm(128, group)): a bigger tensor means the stated sizes are not its own.
+    k_tile = 128 if group_size == -1 else math.lcm(128, group_size)
+    n_choices = (n_pad, -(-size_n // 128) * 128)
+    _require(qweight.shape[1] // 4 in n_choices and qweight.shape[0] * 16 <= -(-size_k // k_tile) * k_tile,
+             f"qweight: expected shape [K_pad/16, 4*N_pad] with N_pad in {sorted(set(n_choices))} and K_pad in "
+             f"[{size_k}, {-(-size_k // k_tile) * k_tile}] (size_n={size_n}, size_k={size_k} with vLLM's Marlin "
+             f"padding), got {list(qweight.shape)}: do the stated sizes belong to this weight?")
     _require(qweight.is_contiguous(), "qweight: expected a contiguous tensor (it is used as is, no copy)")
     _require(scales.dtype == act_dtype,
              f"scales: expected {act_dtype} (vLLM stores Marlin scales in the model dtype), got {scales.dtype}")
     groups = size_k // group_size if group_size > 0 else 1
-    if scales.dim() == 1 and groups == 1:
+    stored_n = qweight.shape[1] // 4
+    if scales.dim() == 1:
         scales = scales.view(1, -1)
-    _require(tuple(scales.shape) == (groups, size_n),
-             f"scales: expected shape [G, size_n] = {[groups, size_n]}"
-             f"{' (or [size_n])' if groups == 1 else ''}, got {list(scales.shape)}")
+    _require(scales.dim() == 2 and scales.shape[0] >= groups and scales.shape[1] == stored_n
+             and (group_size > 0 or scales.shape[0] == 1),
+             f"scales: expected shape [G, N_pad] with G >= {groups} and N_pad = {stored_n} (as qweight)"
+             f"{' (or [N_pad])' if groups == 1 else ''}, got {list(scales.shape)}")
     _require(scales.is_contiguous(), "scales: expected a contiguous tensor (it is used as is, no copy)")
     _require(scales.device == qweight.device,
              f"scales: expected device {qweight.device} (as qweight), got {scales.device}")
+    qweight = qweight[: size_k // 16]  # leading k-tile rows: a contiguous view
+    scales = scales[:groups]
+    if stored_n != n_pad:  # N padded past the 64-column tile: keep the first N_pad columns (one copy)
+        qweight = qweight[:, : 4 * n_pad].contiguous()
+        scales = scales[:, :n_pad].contiguous()
     _require(bool(torch.isfinite(scales).all()),
              "scales: expected finite values (the folded Marlin scale overflowed the activation dtype?)")
     return MarlinFp8Packed(qweight, scales, size_n, size_k, group_size, act_dtype)

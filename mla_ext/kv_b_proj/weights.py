@@ -170,6 +170,29 @@ class DenseWeight(WeightFormat):
     def from_dense(cls, w: torch.Tensor, dtype: torch.dtype | None = None) -> "DenseWeight":
         return cls(w.to(dtype or w.dtype))
 
+    @classmethod
+    def from_vllm_mla(cls, W_UK_T: torch.Tensor, W_UV: torch.Tensor) -> "DenseWeight":
+        """The kv_b_proj weight from the two matrices vLLM's MLA attention keeps after
+        process_weights_after_loading (kv_b_proj dequantized to the activation dtype,
+        split per head): `W_UK_T` [N, P, L] (keys, transposed for the absorbed
+        query) and `W_UV` [N, L, V]. Head h's rows of the result are W_UK_T[h]
+        (P rows) then W_UV[h]^T (V rows), the checkpoint's [N*(P+V), L] layout.
+        One copy, in the matrices' dtype (load time)."""
+        for name, t in (("W_UK_T", W_UK_T), ("W_UV", W_UV)):
+            _check_tensor(t, name)
+            _require(t.dim() == 3, f"{name}: expected a 3-D tensor ({'[N, P, L]' if name == 'W_UK_T' else '[N, L, V]'}),"
+                     f" got shape {tuple(t.shape)}")
+            _require(t.dtype in FLOAT_DTYPES, f"{name}: expected one of {FLOAT_DTYPES}, got {t.dtype}")
+        n, p, lat = W_UK_T.shape
+        _require(W_UV.shape[0] == n and W_UV.shape[1] == lat,
+                 f"W_UV: expected shape [N={n}, L={lat}, V] (as W_UK_T [N, P, L]), got {tuple(W_UV.shape)}")
+        _require(W_UV.dtype == W_UK_T.dtype and W_UV.device == W_UK_T.device,
+                 f"W_UV: expected dtype {W_UK_T.dtype} on {W_UK_T.device} (as W_UK_T), got {W_UV.dtype} on "
+                 f"{W_UV.device}")
+        v = W_UV.shape[2]
+        rows = torch.cat([W_UK_T, W_UV.transpose(1, 2)], dim=1)  # [N, P+V, L]
+        return cls(rows.reshape(n * (p + v), lat))
+
     def dequantize_fp32(self) -> torch.Tensor:
         return self.weight.float()
 

@@ -81,6 +81,7 @@ from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend  # no
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl  # noqa: E402
 
 from mla_ext.kv_b_proj import weights as W  # noqa: E402
+from mla_ext.kv_b_proj.from_module import weight_format_from_module  # noqa: E402
 from mla_ext.models import MLAModelConfig  # noqa: E402
 from mla_ext.prefill.layer import CacheConfig, MLAPrefill, PrefillMetadata  # noqa: E402
 from mla_ext.prefill.reference import mla_prefill_reference  # noqa: E402
@@ -148,6 +149,13 @@ def run_case(config: VllmConfig, backend_cls, fmt: str, dtype: torch.dtype, batc
             vllm_ops.concat_and_cache_mla(ctx_kv_c, ctx_k_pe, cache, torch.cat(batch.slots), fmt, k_scale)
         kv_b_proj = ColumnParallelLinear(L, N * (P + V), bias=False, params_dtype=dt, prefix="kv_b_proj")
         kv_b_proj.weight.data.copy_(w.to(dt))
+        # vLLM's real layer read by mla_ext, and the W_UK / W_UV its MLA keeps
+        # after loading (its own split_kv_b_proj, stored as in
+        # MLAAttention.process_weights_after_loading) turned back into kv_b_proj.
+        from_module_exact = torch.equal(weight_format_from_module(kv_b_proj).weight, w.to(dt))
+        w_uk, w_uv = vllm_mla.split_kv_b_proj(kv_b_proj, dt, L, N, P, V)
+        w_uk_uv_exact = torch.equal(W.DenseWeight.from_vllm_mla(w_uk.permute(1, 2, 0), w_uv.transpose(0, 1)).weight,
+                                    w.to(dt))
         impl = TritonMLAImpl(
             num_heads=N, head_size=L + R, scale=scale, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
             kv_cache_dtype=fmt, logits_soft_cap=None, attn_type=AttentionType.DECODER,
@@ -191,6 +199,7 @@ def run_case(config: VllmConfig, backend_cls, fmt: str, dtype: torch.dtype, batc
         "rel_vs_mla_prefill": rel_fro(got, native),
         "mla_prefill_vs_oracle": rel_fro(native, oracle),
         "routed": sorted(plugin.routed()),
+        "from_module_exact": from_module_exact, "w_uk_uv_exact": w_uk_uv_exact,
     }
 
 
