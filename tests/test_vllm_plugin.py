@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from clients.client_tree import ClientUnavailable, ensure
-from clients.vllm_cases import BATCHES, CASES
+from clients.vllm_cases import BATCHES, CONTEXT_CASES
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -106,18 +106,18 @@ def test_vllm_selects_the_plugin_backend(vllm_run):
     assert h["merge_is_mla_ext_after"]
 
 
-def _case(vllm_run, fmt, dtype, batch):
+def _case(vllm_run, fmt, dtype, context, batch):
     for c in vllm_run["cases"]:
-        if (c["format"], c["dtype"], c["batch"]) == (fmt, dtype, batch):
+        if (c["format"], c["dtype"], c["context"], c["batch"]) == (fmt, dtype, context, batch):
             return c
-    raise AssertionError(f"no result for {fmt}/{dtype}/{batch}")
+    raise AssertionError(f"no result for {fmt}/{dtype}/{context}/{batch}")
 
 
 @pytest.mark.parametrize("batch", [b[0] for b in BATCHES])
-@pytest.mark.parametrize("fmt,dtype", [(f, str(d).removeprefix("torch.")) for f, d in CASES],
+@pytest.mark.parametrize("fmt,dtype,context", [(f, str(d).removeprefix("torch."), c) for f, d, c in CONTEXT_CASES],
                          ids=lambda v: str(v))
-def test_vllm_forward_mha_with_the_plugin(vllm_run, fmt, dtype, batch):
-    c = _case(vllm_run, fmt, dtype, batch)
+def test_vllm_forward_mha_with_the_plugin(vllm_run, fmt, dtype, context, batch):
+    c = _case(vllm_run, fmt, dtype, context, batch)
     assert "error" not in c, c.get("traceback", c.get("error"))
     assert c["all_written"], "vLLM's output kept NaN poison"
     tol = TOL[dtype]
@@ -127,6 +127,11 @@ def test_vllm_forward_mha_with_the_plugin(vllm_run, fmt, dtype, batch):
     # vLLM's real ColumnParallelLinear read by weight_format_from_module, and the
     # W_UK_T / W_UV its split_kv_b_proj gives turned back into kv_b_proj: exact.
     assert c["from_module_exact"] and c["w_uk_uv_exact"]
+    if c["chunks"]:  # vLLM's context loop ran: in latent space exactly when asked
+        # auto: mla_ext's cost model keeps vLLM's up-projection for many new tokens per request.
+        want = {"vllm": "vllm", "absorbed": "absorbed"}.get(context) or (
+            "vllm" if batch == "long_queries" else "absorbed")
+        assert c["context_path"] == want, c
     if c["chunks"]:  # every cache op vLLM called went to mla_ext's
         assert "vllm._custom_ops.concat_and_cache_mla" in c["routed"]
         assert "vllm.model_executor.layers.attention.mla_attention.merge_attn_states" in c["routed"]
@@ -135,7 +140,8 @@ def test_vllm_forward_mha_with_the_plugin(vllm_run, fmt, dtype, batch):
 def test_the_batches_exercise_vllms_chunk_loop(vllm_run):
     """The planner's cuts cover one chunk, split requests (continuation merges),
     empty contexts and many chunks."""
-    by_batch = {c["batch"]: c for c in vllm_run["cases"] if c["format"] == "auto" and c["dtype"] == "bfloat16"}
+    by_batch = {c["batch"]: c for c in vllm_run["cases"]
+                if (c["format"], c["dtype"], c["context"]) == ("auto", "bfloat16", "vllm")}
     assert by_batch["one_chunk"]["chunks"] == 1
     assert by_batch["split_requests"]["continuations"] >= 1
     assert by_batch["many_chunks"]["chunks"] >= 8

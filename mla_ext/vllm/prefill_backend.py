@@ -18,9 +18,12 @@ Building the first backend also routes vLLM's MLA cache ops and the merge to
 mla_ext's (plugin.route_ops), unless MLA_EXT_VLLM_OPS=0.
 
 Where vLLM's structure stops this backend: it receives up-projected keys, so
-mla_ext's absorbed per-chunk context attention (queries absorbed through W_UK,
-attention in latent space straight from the paged cache) cannot be reached
-from here; vLLM's impl up-projects every chunk. FP8 attention inputs
+mla_ext's absorbed context attention (queries absorbed through W_UK, attention
+in latent space straight from the paged cache) cannot be reached through the
+backend interface itself. Building the backend therefore also wraps vLLM's
+``MLACommonBaseImpl._compute_prefill_context`` (mla_ext/vllm/absorbed_context.py),
+which does nothing unless ``MLA_EXT_VLLM_CONTEXT=absorbed`` or ``auto`` asks for
+the latent path (auto: mla_ext's cost model per batch). FP8 attention inputs
 (vLLM's prefill query quantization) are not taken: ``supports_quant_output``
 is False and fp8 dtypes are not in ``supported_dtypes``.
 """
@@ -68,6 +71,12 @@ class MlaExtPrefillBackend(MLAPrefillBackend):
         super().__init__(*args, **kwargs)
         if plugin.ops_mode() != "off":
             plugin.route_ops()
+        # MLA_EXT_VLLM_CONTEXT=absorbed|auto (read per call; unset: vLLM's own loop).
+        from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl
+
+        from mla_ext.vllm import absorbed_context
+
+        absorbed_context.install(MLACommonBaseImpl)
 
     def supports_out(self) -> bool:
         return True

@@ -13,6 +13,12 @@ FORMATS = ("auto", "fp8", "fp8_e5m2", "fp8_ds_mla", "nvfp4_ds_mla")
 # bf16), and the native and per-tensor caches of fp32 / fp16 models.
 CASES = tuple((f, torch.bfloat16) for f in FORMATS) + (
     ("auto", torch.float32), ("auto", torch.float16), ("fp8", torch.float16))
+# (format, model dtype, MLA_EXT_VLLM_CONTEXT): vLLM's own up-projecting chunk loop
+# for every case above, and mla_ext's latent-space context attention in its place
+# (absorbed for every format; the cost model's choice once).
+CONTEXT_CASES = tuple((f, d, "vllm") for f, d in CASES) + tuple(
+    (f, torch.bfloat16, "absorbed") for f in FORMATS) + (
+    ("auto", torch.float32, "absorbed"), ("fp8_ds_mla", torch.bfloat16, "auto"))
 
 # (name, context lengths, new-token lengths, workspace rows): workspace rows
 # decide how vLLM's planner cuts the contexts into chunks.
@@ -22,4 +28,7 @@ BATCHES = (
     ("empty_contexts", [0, 52, 0, 17], [2, 3, 1, 2], 32),
     ("many_chunks", [150, 1, 96], [4, 1, 2], 16),
     ("no_context", [0, 0], [3, 5], 64),
+    # Many new tokens per request: past the cost model's absorbed/up-project
+    # crossover for these dims (FLOP count alone: L(P+V)/(2L-P-V) = 34 tokens).
+    ("long_queries", [40, 20], [90, 70], 64),
 )

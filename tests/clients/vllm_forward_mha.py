@@ -88,7 +88,8 @@ from mla_ext.prefill.reference import mla_prefill_reference  # noqa: E402
 from mla_ext.prefill.synthetic import SyntheticBatch  # noqa: E402
 from mla_ext.vllm import plugin  # noqa: E402
 
-from clients.vllm_cases import BATCHES, CASES  # noqa: E402
+from clients.vllm_cases import BATCHES, CONTEXT_CASES  # noqa: E402
+from mla_ext.vllm.absorbed_context import CONTEXT_ENV  # noqa: E402
 
 BLOCK = 16
 # DeepSeek latent dims (the ds_mla formats need L=512, R=64); few, narrow heads.
@@ -200,6 +201,7 @@ def run_case(config: VllmConfig, backend_cls, fmt: str, dtype: torch.dtype, batc
         "mla_prefill_vs_oracle": rel_fro(native, oracle),
         "routed": sorted(plugin.routed()),
         "from_module_exact": from_module_exact, "w_uk_uv_exact": w_uk_uv_exact,
+        "context_path": getattr(impl, "_mla_ext_last_context_path", None),
     }
 
 
@@ -214,7 +216,8 @@ def main(out_path: str) -> None:
             "merge_is_mla_ext": vllm_mla.merge_attn_states.__module__.startswith("mla_ext"),
             "routed_before_backend": sorted(plugin.routed()),
         }
-        for fmt, dtype in CASES:
+        for fmt, dtype, context in CONTEXT_CASES:
+            os.environ[CONTEXT_ENV] = context
             for i, spec in enumerate(BATCHES):
                 t0 = time.perf_counter()
                 try:
@@ -222,6 +225,7 @@ def main(out_path: str) -> None:
                 except Exception as exc:  # reported per case; the test fails on it
                     rec = {"format": fmt, "dtype": str(dtype).removeprefix("torch."), "batch": spec[0],
                            "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+                rec["context"] = context
                 rec["seconds"] = round(time.perf_counter() - t0, 3)
                 results.append(rec)
         header["merge_is_mla_ext_after"] = vllm_mla.merge_attn_states.__module__.startswith("mla_ext")
