@@ -395,10 +395,13 @@ class MLAPrefill:
         x_scale = None
         want = self.kv_b_proj_input_dtype
         if want in FP8_DTYPES:
-            # FP8 prefill into an fp8 weight: quantize with a per-tensor scale
-            # computed on the device (no host sync).
-            amax = kv_c.abs().amax().float().clamp(min=1e-12)
-            x_scale = (amax / torch.finfo(want).max).reshape(1)
+            # FP8 prefill into an fp8 weight: quantize with one scale per row
+            # (per token), computed on the device (no host sync). Per row, not
+            # per tensor: a row's scale depends on that row alone, so a
+            # non-finite value in one request's latents makes only its own rows
+            # non-finite instead of every request's (issue 20).
+            amax = kv_c.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+            x_scale = amax / torch.finfo(want).max  # [M, 1]
             x = (kv_c.float() / x_scale).clamp(-torch.finfo(want).max, torch.finfo(want).max).to(want)
         elif want is not None and kv_c.dtype != want:
             x = kv_c.to(want)
