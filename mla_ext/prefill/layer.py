@@ -252,6 +252,13 @@ class MLAPrefill:
         # SPEC §5: a pure function of the layer. None means "no cast": the
         # activations stay in the model dtype (the linear quantizes itself).
         self.kv_b_proj_input_dtype = kv_b_proj_input_dtype(self.kv_b_proj, self.use_fp8_prefill)
+        if self.kv_b_proj_input_dtype is None and self.kv_b_proj.params_dtype != model.model_dtype:
+            # "No cast" assumes the linear takes the model dtype. A checkpoint whose
+            # kv_b_proj params_dtype differs (fp8 weights declared fp16/fp32 in a bf16
+            # model) would otherwise be accepted here and refused by the linear at the
+            # first forward: reconcile now by casting to its params dtype, as the
+            # dense, int4 and Marlin rows of the table already do (explain() says so).
+            self.kv_b_proj_input_dtype = self.kv_b_proj.params_dtype
         self.workspace_dtype = self.spec.workspace_dtype
         self.cp = context_parallel
         cp_size, cp_i = (self.cp.cp_size, self.cp.interleave) if self.cp else (1, 1)
@@ -308,7 +315,10 @@ class MLAPrefill:
             f"  attention: softmax scale {self.softmax_scale:.5f} ({self.softmax_scale_source}); "
             f"model dtype {self.model.model_dtype} ({self.model.dtype_source})",
             f"  kv_b_proj: {self.kv_b_proj.weight_format.describe()}; input dtype "
-            f"{self.activation_dtype} (fp8 prefill {'on' if self.use_fp8_prefill else 'off'})",
+            f"{self.activation_dtype} (fp8 prefill {'on' if self.use_fp8_prefill else 'off'})"
+            + (f"; params_dtype {self.kv_b_proj.params_dtype} differs from the model dtype "
+               f"{self.model.model_dtype}: activations cast to it, its output cast back"
+               if self.kv_b_proj.params_dtype != self.model.model_dtype else ""),
         ]
         try:
             backend = self.kv_b_proj.backend_for(self.workspace_rows, device, self._linear_act_dtype())
