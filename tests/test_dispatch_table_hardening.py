@@ -11,17 +11,9 @@ import pytest
 
 from mla_ext import dispatch as D
 from mla_ext.dispatch import Backend, Dispatcher
+from test_dispatch_table import DEVICE, _fresh_tables  # noqa: F401  (autouse: no table env, fresh caches)
 
-DEVICE = "Fake GPU 9000"
 FILE = "fake_gpu_9000.json"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_tables(monkeypatch):
-    monkeypatch.delenv(D.TABLES_ENV, raising=False)
-    D.clear_table_cache()
-    yield
-    D.clear_table_cache()
 
 
 def _toy(tmp_path):
