@@ -330,6 +330,9 @@ class MLAPrefill:
 
     def explain_context(self, metadata: "PrefillMetadata", device: torch.device | str | None = None) -> str:
         """The path every context chunk of `metadata` takes on `device`, and why."""
+        if not isinstance(metadata, PrefillMetadata):
+            raise ValueError(f"metadata: expected a PrefillMetadata (explain_context(metadata, device=None)), "
+                             f"got {type(metadata).__name__} {metadata!r:.60}")
         device = as_device(device) if device is not None else metadata.block_table.device
         return "\n".join([f"layer {self.layer_index}: context chunks on {device}"]
                          + self.context_attention.explain_chunks(self, metadata, device))

@@ -283,6 +283,8 @@ method("compute_kv_scale_valid", lambda l, g: l.compute_kv_scale(torch.ones(2, T
                                                                   torch.ones(2, TINY.R, dtype=BF16)), "accept")
 method("explain_valid", lambda l, g: l.explain(), "accept", check=that(lambda t: "layer 1" in t, lambda t: t))
 method("explain_device_garbage", lambda l, g: l.explain("tpu9"), args=("device",))
+method("explain_context_str", lambda l, g: l.explain_context("meta"), args=("metadata",))  # issue 20
+method("explain_context_none", lambda l, g: l.explain_context(None), args=("metadata",))
 
 
 def meta_case(name, make, expect="reject", args=(), check=None, **kw):

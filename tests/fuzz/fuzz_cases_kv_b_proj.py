@@ -171,6 +171,8 @@ for _label, _v in (("nan", float("nan")), ("zero", 0.0), ("negative", -1.0), ("i
       mutate=lambda g, a, l, v=_v: (_fp8_x(g, a, l), a["x_scale"].fill_(v)))
 F("x_scale_two_elements", "reject", ("x_scale",), kind="fp8_block",
   mutate=lambda g, a, l: (_fp8_x(g, a, l), a.update(x_scale=torch.tensor([1.0, 1.0]))))
+F("x_scale_per_row_wrong_rows", "reject", ("x_scale",), kind="fp8_block",  # per-row scales are [M, 1]
+  mutate=lambda g, a, l: (_fp8_x(g, a, l), a.update(x_scale=torch.ones(a["x"].shape[0] + 1, 1))))
 F("x_scale_int", "reject", ("x_scale",), kind="fp8_block",
   mutate=lambda g, a, l: (_fp8_x(g, a, l), a.update(x_scale=torch.tensor([1]))))
 F("x_scale_python_float", "reject", ("x_scale",), kind="fp8_block",
