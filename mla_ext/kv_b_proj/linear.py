@@ -357,6 +357,30 @@ def _into(y: torch.Tensor, inp: KvBProjInputs) -> torch.Tensor:
     return inp.out
 
 
+# -- what each backend does to the activations (for explain) -------------------
+
+# W8A8 backends quantize a 16/32-bit x themselves. SPEC §9: a W8A8 result is within
+# 1e-3 (relative Frobenius) of a reference that applies the same quantization to the
+# same weights; against unquantized activations it is reported, not bounded
+# (measured 2.9e-2 per MLA layer on random data, 3.3-3.8e-2 against transformers).
+W8A8_BLOCK_NOTE = ("quantized per 1x128 group to e4m3 by the backend (W8A8, as DeepSeek's and vLLM's "
+                   "block-FP8 path; SPEC §9: <= 1e-3 against a reference with the same quantization, "
+                   "about 3e-2 from unquantized activations)")
+ACTIVATION_QUANTIZATION = {
+    "scaled_mm_block": W8A8_BLOCK_NOTE,
+    "triton_fp8_block": W8A8_BLOCK_NOTE,
+    "scaled_mm_fp8": "quantized per token (row) to e4m3 by the backend (W8A8 row-wise)",
+}
+
+
+def activation_quantization(backend: str, act_dtype: torch.dtype) -> str:
+    """What `backend` does to activations of `act_dtype`, in words (explain lines)."""
+    if act_dtype in FP8_DTYPES:
+        return (f"arrive as {str(act_dtype).removeprefix('torch.')} with the caller's scale (FP8 prefill: "
+                "per token, quantized before kv_b_proj)")
+    return ACTIVATION_QUANTIZATION.get(backend, "not quantized (the weight is dequantized or used as stored)")
+
+
 # -- dispatch by measurement ---------------------------------------------------
 
 _DEVICE_NAMES: dict[int, str] = {}
@@ -590,7 +614,13 @@ class KvBProj:
         cap = _capability(device)
         head = (f"{self.weight_format.describe()} on {device}"
                 + (f" (sm_{cap[0]}{cap[1]})" if cap else "") + f", M={M}")
-        return head + "\n" + DISPATCH.explain(self._inputs(M, device, act_dtype or self.params_dtype))
+        inputs = self._inputs(M, device, act_dtype or self.params_dtype)
+        text = head + "\n" + DISPATCH.explain(inputs)
+        try:
+            name = DISPATCH.choose(inputs).name
+        except ValueError:
+            return text
+        return text + f"\n  activations: {activation_quantization(name, inputs.act_dtype)}"
 
 
 # -- machine-level report for the `info` CLI ----------------------------------

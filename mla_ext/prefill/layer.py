@@ -52,7 +52,7 @@ from mla_ext.cache import checks as cache_checks
 from mla_ext.cache.context_parallel import cp_gather_context, cp_local_lens
 from mla_ext.formats import QuantMode, ScaleKind
 from mla_ext.kv_b_proj.input_dtype import kv_b_proj_input_dtype
-from mla_ext.kv_b_proj.linear import KvBProj
+from mla_ext.kv_b_proj.linear import KvBProj, activation_quantization
 from mla_ext.kv_b_proj.weights import WeightFormat
 from mla_ext.models import MLAModelConfig
 from mla_ext.policy import CacheConfig, LayerCacheSpec, check_bool, check_configs, resolve_layer
@@ -325,7 +325,16 @@ class MLAPrefill:
         except ValueError as exc:
             backend = f"none ({exc})"
         lines.append(f"  kv_b_proj backend at M={self.workspace_rows} on {device}: {backend}")
+        quant = activation_quantization(backend, self._linear_act_dtype())
+        lines.append(f"  kv_b_proj activations: {quant}")
         lines += self.context_attention.explain(self, device)
+        if self.context_attention.mode != "up_project" and not quant.startswith("not quantized"):
+            # The absorbed path multiplies by the dequantized weight in the model dtype:
+            # its chunks skip the activation quantization the up-projection applies.
+            lines.append("  note: absorbed context chunks use the dequantized kv_b_proj weight with unquantized "
+                         "activations, up_project chunks and the new tokens the quantized activations above: "
+                         "the two context paths differ by that quantization (about 2e-2 per layer on random "
+                         "data; context_attention='up_project' makes every chunk quantize alike)")
         return "\n".join(lines)
 
     def explain_context(self, metadata: "PrefillMetadata", device: torch.device | str | None = None) -> str:
