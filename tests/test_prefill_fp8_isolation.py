@@ -9,11 +9,13 @@ The per-row `x_scale` [M, 1] this needs is checked on every kv_b_proj backend
 that takes fp8 activations, against the float32 reference."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
+from mla_ext.attention import ATTENTION
 from mla_ext.formats import FORMATS
 from mla_ext.kv_b_proj import reference as ref
 from mla_ext.kv_b_proj import weights as W
@@ -30,8 +32,11 @@ WEIGHTS = {
 # Every cache format a bf16 model can use (float16 is refused there); each weight
 # format on each format, each on one of the two context paths (the path reads
 # the cache; the weight format decides the activation scales).
-CASES = [(f.name, wkind, path) for f in FORMATS if f.name != "float16"
+# Attention through the torch backend (the Triton interpreter is slow on the CPU),
+# and once through the default backend.
+CASES = [(f.name, wkind, path, "torch") for f in FORMATS if f.name != "float16"
          for wkind, path in (("fp8_block", "up_project"), ("fp8_channel", "absorbed"))]
+CASES.append(("fp8_ds_mla", "fp8_block", "up_project", None))
 
 
 def _layer(fmt: str, wkind: str, path: str) -> MLAPrefill:
@@ -42,32 +47,34 @@ def _layer(fmt: str, wkind: str, path: str) -> MLAPrefill:
                       workspace_rows_override=32, max_num_seqs=8, context_attention=path)
 
 
-def _run(layer: MLAPrefill, batch: Batch, kv_c_new: torch.Tensor) -> torch.Tensor:
+def _run(layer: MLAPrefill, batch: Batch, kv_c_new: torch.Tensor, attention: str | None = None) -> torch.Tensor:
     k_scale = torch.tensor([0.05])
     cache = batch.fill_cache(layer, k_scale)
     meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens, k_scale, block_size=BLOCK)
-    return layer(batch.q, kv_c_new, batch.k_pe_new, cache, meta)
+    with ATTENTION.force(attention):
+        return layer(batch.q, kv_c_new, batch.k_pe_new, cache, meta)
 
 
-@pytest.mark.parametrize("fmt, wkind, path", CASES)
-def test_one_poisoned_request_leaves_the_others_bit_for_bit(fmt, wkind, path):
+@pytest.mark.parametrize("fmt, wkind, path, attention", CASES)
+def test_one_poisoned_request_leaves_the_others_bit_for_bit(fmt, wkind, path, attention):
     layer = _layer(fmt, wkind, path)
+    run = functools.partial(_run, attention=attention)
     assert layer.activation_dtype == torch.float8_e4m3fn  # the FP8 prefill path is under test
     batch = Batch(ctx_lens=CTX, q_lens=QL, seed=3)
-    clean = _run(layer, batch, batch.kv_c_new)
+    clean = run(layer, batch, batch.kv_c_new)
     assert torch.isfinite(clean).all()
     others = slice(QL[0], None)
     # Request 0's new tokens, then (separately) its cached context.
     kv_c_new = batch.kv_c_new.clone()
     kv_c_new[1, 7] = float("nan")
     kv_c_new[2, 3] = float("inf")
-    out = _run(layer, batch, kv_c_new)
+    out = run(layer, batch, kv_c_new)
     assert not torch.isfinite(out[: QL[0]]).all()  # the poison did reach request 0
     assert torch.equal(out[others], clean[others]), "request 0's kv_c_normed changed another's output"
     batch.ctx_kv_c[0] = batch.ctx_kv_c[0].clone()
     batch.ctx_kv_c[0][5, 11] = float("nan")
     batch.ctx_kv_c[0][30, 2] = float("-inf")
-    out = _run(layer, batch, batch.kv_c_new)
+    out = run(layer, batch, batch.kv_c_new)
     assert torch.equal(out[others], clean[others]), "request 0's context changed another's output"
 
 
