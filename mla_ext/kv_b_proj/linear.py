@@ -376,8 +376,8 @@ ACTIVATION_QUANTIZATION = {
 def activation_quantization(backend: str, act_dtype: torch.dtype) -> str:
     """What `backend` does to activations of `act_dtype`, in words (explain lines)."""
     if act_dtype in FP8_DTYPES:
-        return (f"arrive as {str(act_dtype).removeprefix('torch.')} with the caller's scale (FP8 prefill: "
-                "per token, quantized before kv_b_proj)")
+        return (f"arrive as {str(act_dtype).removeprefix('torch.')} with x_scale, per tensor or per row "
+                "(MLAPrefill's FP8 prefill quantizes per token, so requests never share a scale)")
     return ACTIVATION_QUANTIZATION.get(backend, "not quantized (the weight is dequantized or used as stored)")
 
 
