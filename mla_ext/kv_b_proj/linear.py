@@ -374,7 +374,12 @@ ACTIVATION_QUANTIZATION = {
 
 
 def activation_quantization(backend: str, act_dtype: torch.dtype) -> str:
-    """What `backend` does to activations of `act_dtype`, in words (explain lines)."""
+    """What `backend` (a backend name; anything else, e.g. explain's "none (...)", is
+    a backend that does not quantize) does to activations of `act_dtype`, in words."""
+    if not isinstance(backend, str):
+        raise ValueError(f"backend: expected a kv_b_proj backend name (str), got {type(backend).__name__}")
+    if not isinstance(act_dtype, torch.dtype):
+        raise ValueError(f"act_dtype: expected a torch.dtype, got {act_dtype!r}")
     if act_dtype in FP8_DTYPES:
         return (f"arrive as {str(act_dtype).removeprefix('torch.')} with x_scale, per tensor or per row "
                 "(MLAPrefill's FP8 prefill quantizes per token, so requests never share a scale)")
