@@ -20,6 +20,38 @@ def check_int(value, arg: str, minimum: int | None = None, maximum: int | None =
     return value
 
 
+def one_line_parser(**kwargs):
+    """An argparse.ArgumentParser whose usage errors are one line on stderr (exit 2),
+    naming the flag: "<prog>: error: argument --seed: ... (see --help)", without the
+    multi-line usage block; its subparsers are built the same way."""
+    import argparse
+
+    class OneLineParser(argparse.ArgumentParser):
+        def error(self, message: str):
+            self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+    return OneLineParser(**kwargs)
+
+
+def int_flag(minimum: int, maximum: int):
+    """An argparse `type=` for an integer flag within [minimum, maximum]: anything else
+    (a float, 10**23, a word) is a usage error argparse names by flag, before the
+    command prints anything, never an OverflowError deep inside it."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text) if len(text) <= 40 else None
+        except ValueError:
+            value = None
+        if value is None or not minimum <= value <= maximum:
+            shown = text if len(text) <= 40 else text[:20] + "..."
+            raise argparse.ArgumentTypeError(f"expected an integer in [{minimum}, {maximum}], got {shown!r}")
+        return value
+
+    return parse
+
+
 def as_device(value, arg: str = "device") -> torch.device:
     """A torch.device from a device or its name; unknown names are a ValueError."""
     if isinstance(value, torch.device):

@@ -18,8 +18,10 @@ those modules is assumed.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
+import os
 import re
 import sys
 from decimal import Decimal
@@ -27,12 +29,17 @@ from decimal import Decimal
 import torch
 
 from mla_ext import _ext
+from mla_ext._args import int_flag, one_line_parser
 from mla_ext.formats import ALL_NAMES
 from mla_ext.models import get_model_config, known_model_names
 from mla_ext.planner import MAX_MEMORY_BYTES, render_plan
 from mla_ext.policy import CacheConfig
 
 BACKEND_MODULES = ("mla_ext.cache.api", "mla_ext.kv_b_proj.linear", "mla_ext.attention.api")
+INT32_MAX = 2**31 - 1  # block sizes and page alignments are int32 in the kernels and the planner
+# stdout failures that end the command with one line instead of a traceback: a closed
+# pipe (`plan ... | true`), a full disk (`> /dev/full`), a quota, a file too large, I/O.
+OUTPUT_ERRNOS = {errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 _UNITS = {
     "": 1, "b": 1,
@@ -186,7 +193,7 @@ def _cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mla_ext", description=__doc__.split("\n")[0])
+    parser = one_line_parser(prog="python -m mla_ext", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="per-layer KV-cache formats and pool plan for a model")
@@ -196,10 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", help=f"one of: {', '.join(ALL_NAMES)}")
     p.add_argument("--skip-layers", nargs="*", default=[], metavar="ENTRY",
                    help="layer indices and/or 'sliding_window' that keep the native dtype")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--block-size", type=int_flag(1, INT32_MAX), default=16, help="tokens per block (default 16)")
     p.add_argument("--memory", type=_memory_arg, required=True,
                    help="KV-cache byte budget: 60GiB, 500MB, 123 (bytes)")
-    p.add_argument("--alignment", type=int, default=None, help="round each page up to this")
+    p.add_argument("--alignment", type=int_flag(1, INT32_MAX), default=None, help="round each page up to this")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute per-tensor K scales on per-tensor fp8 layers")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -217,19 +224,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
-    if argv[:1] == ["demo"]:
-        # The demo parses its own options (argparse's REMAINDER would reject a
-        # leading option such as `demo --json`); the subparser is for --help.
-        args = argparse.Namespace(func=_cmd_demo, demo_args=argv[1:])
-    else:
-        args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        parser = build_parser()
+        if argv[:1] == ["demo"]:
+            # The demo parses its own options (argparse's REMAINDER would reject a
+            # leading option such as `demo --json`); the subparser is for --help.
+            args = argparse.Namespace(func=_cmd_demo, demo_args=argv[1:])
+        else:
+            args = parser.parse_args(argv)
+        rc = args.func(args)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not at interpreter exit
+        return rc
     except ValueError as exc:
         # Bad user input: one line, exit 2, never a traceback.
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno not in OUTPUT_ERRNOS:
+            raise
+        _drop_stdout()
+        print(f"error: cannot write the output: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's own flush at exit (of what the
+    failed write left buffered) neither fails again nor prints a second error."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # no real stdout (e.g. captured in tests)
+        pass
 
 
 def _one_line(exc: BaseException) -> str:

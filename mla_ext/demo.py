@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_ext._args import int_flag, one_line_parser
 from mla_ext.models import MLAModelConfig, get_model_config
 from mla_ext.planner import render_plan
 from mla_ext.policy import CacheConfig
@@ -46,6 +47,7 @@ KV_CACHE_DTYPE = "fp8_ds_mla"
 SKIP_LAYERS = (0, 1, 60)
 BLOCK_SIZE = 64
 MEMORY_BYTES = 60 * 2**30
+SEED_MAX = 2**32 - 1  # seed * 1000 + small offsets stays inside manual_seed's uint64
 TOLERANCE = 1e-2  # SPEC §9, bf16 paths: relative Frobenius error
 # The real-model step compares end to end from hidden states, so the module's own bf16
 # projections add to the error: mla_ext must be within REAL_TOLERANCE of transformers'
@@ -369,7 +371,7 @@ def _device(text: str) -> torch.device:
 
 
 def run_demo(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mla_ext demo", description=__doc__.split("\n")[0])
+    parser = one_line_parser(prog="python -m mla_ext demo", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the plan and the results as JSON")
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--full", dest="size", action="store_const", const="full",
@@ -379,7 +381,10 @@ def run_demo(argv: list[str] | None = None) -> int:
     sizes.add_argument("--tiny", dest="size", action="store_const", const="tiny", help="smallest (tests)")
     parser.add_argument("--device", type=_device, default=None,
                         help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--seed", type=int, default=0)
+    # Seeds feed torch.Generator.manual_seed (after seed * 1000 + offsets): bounded here,
+    # so an out-of-range one is a usage error naming --seed before anything is printed.
+    parser.add_argument("--seed", type=int_flag(0, SEED_MAX), default=0,
+                        help=f"random seed, an integer in [0, {SEED_MAX}] (default 0)")
     parser.add_argument("--check-queries", type=_positive_int, default=None, metavar="K",
                         help="check only the first K new tokens of each request (default: all; "
                              "64 with --full)")

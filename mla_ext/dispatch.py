@@ -28,10 +28,17 @@ fastest first) that can serve the inputs; with no table for the device, no entry
 for the bucket, or no usable measured backend, it falls back to the stated order.
 `explain()` says which: the file, the key and the measured numbers, or
 "no measurement for <device>: stated order". MLA_EXT_DISPATCH_TABLES=<dir> reads
-the tables from another folder; MLA_EXT_DISPATCH_TABLES=off ignores them. A table
-that cannot be read is reported by `explain()` and otherwise ignored: dispatch
-never fails because of a table. `write_table_entries()` merges measured entries
-into a table file (the benchmarks use it).
+the tables from another folder; MLA_EXT_DISPATCH_TABLES=off ignores them.
+
+A table never makes a call fail. A file over MAX_TABLE_BYTES, one that does not
+parse (truncated, nested past the parser's recursion limit, ...) or does not
+follow the schema above (every measured time a finite number) is ignored: one
+warning (TableWarning) names the file and the reason, and `explain()` repeats it.
+Backend names an op does not have (a typo) are refused when the op first reads its
+section: one warning per op and table names them, they are dropped from every
+entry (so never shown as measured), and an entry left without a backend is no
+measurement. `write_table_entries()` merges measured entries into a table file
+(the benchmarks use it).
 
 A backend named "triton" or "triton_<...>" runs Triton kernels: besides its
 own reasons it reports those of the installed Triton itself, which matter
@@ -50,6 +57,7 @@ import math
 import os
 import re
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -57,6 +65,13 @@ TABLE_FORMAT = 1
 TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch_tables")
 TABLES_ENV = "MLA_EXT_DISPATCH_TABLES"
 _TABLES_OFF = ("off", "0", "none")
+# A measurement table is a few hundred entries (kilobytes); a larger file is not
+# one and is not read whole.
+MAX_TABLE_BYTES = 4 << 20
+
+
+class TableWarning(UserWarning):
+    """A dispatch table (or part of one) is ignored; the message names the file and why."""
 
 
 class NoBackendError(ValueError):
@@ -151,6 +166,17 @@ def clear_table_cache() -> None:
     with _TABLE_LOCK:
         _TABLE_CACHE.clear()
         _LOOKUPS.clear()
+        _WARNED.clear()
+
+
+def _finite_number(v: Any) -> bool:
+    """A JSON number that is a finite float (not a bool, NaN, inf, nor an int past float range)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def _validate_table(data: Any, path: str) -> dict:
@@ -170,8 +196,8 @@ def _validate_table(data: Any, path: str) -> dict:
             if not isinstance(order, list) or not order or not all(isinstance(n, str) for n in order):
                 raise ValueError(f"ops[{op!r}].entries[{key!r}].order must be a non-empty list of backend names")
             us = e.get("us", {})
-            if not isinstance(us, dict) or not all(isinstance(v, (int, float)) for v in us.values()):
-                raise ValueError(f"ops[{op!r}].entries[{key!r}].us must map backend names to numbers")
+            if not isinstance(us, dict) or not all(_finite_number(v) for v in us.values()):
+                raise ValueError(f"ops[{op!r}].entries[{key!r}].us must map backend names to finite numbers")
     return data
 
 
@@ -185,31 +211,78 @@ def read_table(path: str) -> tuple[dict | None, str | None]:
         if not os.path.exists(path):
             res: tuple[dict | None, str | None] = (None, None)
         else:
-            try:
-                with open(path) as f:
-                    res = (_validate_table(json.load(f), path), None)
-            except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-                res = (None, f"{type(exc).__name__}: {exc}")
+            res = (None, _parse_table(path))
+            if isinstance(res[1], dict):
+                res = (res[1], None)
+            else:
+                warn_table(path, f"ignored: {res[1]}; dispatch uses the stated order")
         _TABLE_CACHE[path] = res
         return res
 
 
+def _parse_table(path: str) -> dict | str:
+    """The validated table at `path`, or why it cannot be used. Reads at most
+    MAX_TABLE_BYTES + 1 bytes; every exception (a RecursionError from deep nesting,
+    a MemoryError, a decode error, ...) is a reason, never raised."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TABLE_BYTES + 1)
+        if len(raw) > MAX_TABLE_BYTES:
+            return f"larger than MAX_TABLE_BYTES={MAX_TABLE_BYTES} bytes (not a measurement table)"
+        return _validate_table(json.loads(raw.decode("utf-8")), path)
+    except Exception as exc:  # noqa: BLE001 - a table never fails dispatch
+        msg = str(exc)
+        return f"{type(exc).__name__}: {msg[:200] + '...' if len(msg) > 200 else msg}"
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_table(path: str, why: str) -> None:
+    """One TableWarning per (file, reason) and process."""
+    if (path, why) in _WARNED:
+        return
+    _WARNED.add((path, why))
+    warnings.warn(f"dispatch table {path}: {why}", TableWarning, stacklevel=3)
+
+
 def lookup(op: str, device_name: str, buckets: str | Sequence[str],
-           directory: str | None = None) -> tuple[TableEntry | None, str]:
+           directory: str | None = None, known: Sequence[str] | None = None) -> tuple[TableEntry | None, str]:
     """The table entry for `op` on `device_name` (the first of `buckets` present),
-    or None and why not (the explanation ends with ': stated order')."""
+    or None and why not (the explanation ends with ': stated order'). `known`: the
+    op's backend names; others in the table are refused (one warning) and dropped."""
     keys = (buckets,) if isinstance(buckets, str) else tuple(buckets)
     directory = directory or tables_dir()
     if directory is None:
         return None, f"dispatch tables are off ({TABLES_ENV}={os.environ.get(TABLES_ENV)}): stated order"
-    memo = (directory, op, device_name, keys)
+    known = None if known is None else tuple(known)
+    memo = (directory, op, device_name, keys, known)
     hit = _LOOKUPS.get(memo)  # per call on the dispatch path: the answer is kept
     if hit is None:
-        hit = _LOOKUPS[memo] = _lookup(op, device_name, keys, directory)
+        hit = _LOOKUPS[memo] = _lookup(op, device_name, keys, directory, known)
     return hit
 
 
-def _lookup(op: str, device_name: str, keys: tuple, directory: str) -> tuple[TableEntry | None, str]:
+def _known_only(path: str, op: str, sec: dict, known: tuple[str, ...] | None) -> dict:
+    """`sec`'s entries with only the backends `op` has; one warning names the others."""
+    if known is None:
+        return sec["entries"]
+    unknown = sorted({n for e in sec["entries"].values() for n in list(e["order"]) + list(e.get("us", {}))
+                      if n not in known})
+    if not unknown:
+        return sec["entries"]
+    warn_table(path, f"op {op!r} has no backend named {', '.join(map(repr, unknown))} (expected one of "
+                     f"{list(known)}); those measurements are ignored")
+    out = {}
+    for key, e in sec["entries"].items():
+        order = [n for n in e["order"] if n in known]
+        if order:
+            out[key] = {"order": order, "us": {n: t for n, t in e.get("us", {}).items() if n in known}}
+    return out
+
+
+def _lookup(op: str, device_name: str, keys: tuple, directory: str,
+            known: tuple[str, ...] | None = None) -> tuple[TableEntry | None, str]:
     path = table_path(device_name, directory)
     data, err = read_table(path)
     if err is not None:
@@ -221,8 +294,9 @@ def _lookup(op: str, device_name: str, keys: tuple, directory: str) -> tuple[Tab
     sec = data["ops"].get(op)
     if sec is None:
         return None, f"no measurement for {device_name} in {path} for op {op!r}: stated order"
+    entries = _known_only(path, op, sec, known)
     for key in keys:
-        e = sec["entries"].get(key)
+        e = entries.get(key)
         if e is not None:
             return TableEntry(path, device_name, op, key, tuple(e["order"]), dict(e.get("us", {})),
                               requested=keys[0] if keys else ""), ""
@@ -233,13 +307,9 @@ def write_table_entries(path: str, device_name: str, op: str, entries: dict, sou
     """Merge `entries` ({bucket: {"order": [...], "us": {...}}}) for `op` into the table
     at `path` (created if missing; other ops' sections are kept, this op's entries with
     the same keys are replaced). Returns the table written."""
-    data = None
-    if os.path.exists(path):
-        with open(path) as f:
-            try:
-                data = _validate_table(json.load(f), path)
-            except ValueError:
-                data = None  # an unusable file is replaced
+    data = _parse_table(path) if os.path.exists(path) else None
+    if not isinstance(data, dict):
+        data = None  # an unusable file is replaced
     if data is None or data.get("device") not in (None, device_name):
         data = {"format": TABLE_FORMAT, "device": device_name, "ops": {}}
     sec = data["ops"].setdefault(op, {"entries": {}})
@@ -332,7 +402,10 @@ class Dispatcher:
         d = self.tables_dir
         if d is None and tables_dir() is None:
             return None, f"dispatch tables are off ({TABLES_ENV}={os.environ.get(TABLES_ENV)}): stated order"
-        return lookup(self.op, device_name, buckets, d)
+        try:
+            return lookup(self.op, device_name, buckets, d, known=[b.name for b in self._backends])
+        except Exception as exc:  # noqa: BLE001 - read_table catches its own; this is the last guard
+            return None, f"dispatch table lookup failed ({type(exc).__name__}: {exc}): stated order"
 
     def decide(self, inputs: Any) -> Decision:
         """The backend for `inputs` and how it was chosen; NoBackendError if none can serve."""

@@ -72,8 +72,7 @@ def test_plan_from_config_json(capsys, tmp_path):
     (["plan", "--memory", "1GiB", "--skip-layers", "x"], "'x'"),
     (["plan", "--memory", "1KB"], "memory_bytes"),
     (["plan", "--memory", "1GiB", "--model", "nope"], "known models"),
-    (["plan", "--memory", "1GiB", "--block-size", "0"], "block_size"),
-])
+])  # --block-size 0: a usage error naming the flag (test_cli_output_errors.py)
 def test_plan_errors_exit_2_with_message(capsys, argv, match):
     rc, out, err = run(capsys, argv)
     assert rc == 2 and out == "" and match in err

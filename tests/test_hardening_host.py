@@ -386,7 +386,7 @@ def test_cli_as_a_process_prints_no_traceback(tmp_path):
     (["--skip-layers", "9" * 5000], "kv_cache_dtype_skip_layers"),
     (["--memory", "9" * 5000], "--memory"),
     (["--alignment", "0"], "alignment"),
-    (["--block-size", "-1"], "block_size"),
+    (["--block-size", "-1"], "--block-size"),
 ])
 def test_cli_bad_arguments_are_one_line_and_exit_2(capsys, argv, match):
     try:  # a ValueError returns 2; an argparse usage error exits 2
@@ -435,7 +435,7 @@ def test_cp_gather_context_rejects_non_tensors_and_passes_validate():
                              interleave=1)
     table[0, 1] = 7  # outside [0, 4)
     with pytest.raises(ValueError, match="block_table: request 0, logical block 1 holds block id 7"):
-        cp.cp_gather_context(cache, torch.empty(8, 8), table, [8], "auto", None, cp_size=1,
+        cp.cp_gather_context(cache, torch.empty(8, 8), table, [8], "auto", torch.ones(1), cp_size=1,
                              rank=0, interleave=1, validate=True)
 
 

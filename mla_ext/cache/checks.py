@@ -202,7 +202,10 @@ def check_k_scale(k_scale, fmt: CacheFormat, device: torch.device) -> None:
     the cache's device (every tensor argument of a compiled op is on one device).
     """
     if fmt.quant_mode != QuantMode.FP8_PER_TENSOR:
-        if isinstance(k_scale, Tensor) and k_scale.device != device:
+        if not isinstance(k_scale, Tensor):  # the compiled op's schema takes a Tensor for every format
+            raise ValueError(f"k_scale: expected a float32 tensor [1] (the op takes one even where the format "
+                             f"ignores its value), got {type(k_scale).__name__}")
+        if k_scale.device != device:
             raise ValueError(f"k_scale: expected a tensor on {device} (the cache's device), got {k_scale.device}")
         return
     k_scale = _tensor(k_scale, "k_scale")

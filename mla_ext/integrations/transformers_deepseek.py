@@ -116,6 +116,12 @@ def _check_module(module) -> str:
     if module.num_heads != n:
         raise ValueError(f"{kind} layer {module.layer_idx}: the module has {module.num_heads} "
                          f"heads but its config {n}")
+    for attr in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        # mla_ext plans from the config, mla_inputs splits with the module's attributes.
+        have, want = getattr(module, attr, None), getattr(cfg, attr, None)
+        if have is not None and want is not None and have != want:
+            raise ValueError(f"{kind} layer {module.layer_idx}: module.{attr}={have} but its config says "
+                             f"{attr}={want}; the module and its config must agree")
     if getattr(module.kv_b_proj, "bias", None) is not None:
         raise ValueError(f"{kind} layer {module.layer_idx}: kv_b_proj has a bias; mla_ext's "
                          "up-projection has none (DeepSeek checkpoints have none)")

@@ -317,8 +317,8 @@ def _scaled_mm_run(inp: KvBProjInputs) -> torch.Tensor:
     x = inp.x
     m = x.shape[0]
     if x.dtype == torch.float8_e4m3fn:
-        s = torch.ones(1, device=x.device) if inp.x_scale is None else inp.x_scale.float().reshape(1)
-        xq, xs = x.contiguous(), s.expand(m, 1).contiguous()
+        s = torch.ones(1, device=x.device) if inp.x_scale is None else inp.x_scale.float().reshape(-1, 1)
+        xq, xs = x.contiguous(), s.expand(m, 1).contiguous()  # per-tensor or per-row: row-wise scales
     else:
         # Per-token (row-wise) dynamic quantization: one group spanning K.
         amax = x.float().abs().amax(dim=1, keepdim=True).clamp(min=quant.EPS)
@@ -341,7 +341,7 @@ def _dense_run(inp: KvBProjInputs) -> torch.Tensor:
     layer = inp.layer
     x = inp.x
     if x.dtype in FP8_DTYPES:
-        s = 1.0 if inp.x_scale is None else inp.x_scale.float().reshape(())
+        s = 1.0 if inp.x_scale is None else inp.x_scale.float().reshape(-1, 1)  # [1, 1] or [M, 1]
         x = (x.float() * s).to(layer.params_dtype)
     w = layer.dense_weight(layer.params_dtype, x.device)
     if inp.out is not None:
@@ -355,6 +355,35 @@ def _into(y: torch.Tensor, inp: KvBProjInputs) -> torch.Tensor:
         return y
     inp.out.copy_(y)
     return inp.out
+
+
+# -- what each backend does to the activations (for explain) -------------------
+
+# W8A8 backends quantize a 16/32-bit x themselves. SPEC §9: a W8A8 result is within
+# 1e-3 (relative Frobenius) of a reference that applies the same quantization to the
+# same weights; against unquantized activations it is reported, not bounded
+# (measured 2.9e-2 per MLA layer on random data, 3.3-3.8e-2 against transformers).
+W8A8_BLOCK_NOTE = ("quantized per 1x128 group to e4m3 by the backend (W8A8, as DeepSeek's and vLLM's "
+                   "block-FP8 path; SPEC §9: <= 1e-3 against a reference with the same quantization, "
+                   "about 3e-2 from unquantized activations)")
+ACTIVATION_QUANTIZATION = {
+    "scaled_mm_block": W8A8_BLOCK_NOTE,
+    "triton_fp8_block": W8A8_BLOCK_NOTE,
+    "scaled_mm_fp8": "quantized per token (row) to e4m3 by the backend (W8A8 row-wise)",
+}
+
+
+def activation_quantization(backend: str, act_dtype: torch.dtype) -> str:
+    """What `backend` (a backend name; anything else, e.g. explain's "none (...)", is
+    a backend that does not quantize) does to activations of `act_dtype`, in words."""
+    if not isinstance(backend, str):
+        raise ValueError(f"backend: expected a kv_b_proj backend name (str), got {type(backend).__name__}")
+    if not isinstance(act_dtype, torch.dtype):
+        raise ValueError(f"act_dtype: expected a torch.dtype, got {act_dtype!r}")
+    if act_dtype in FP8_DTYPES:
+        return (f"arrive as {str(act_dtype).removeprefix('torch.')} with x_scale, per tensor or per row "
+                "(MLAPrefill's FP8 prefill quantizes per token, so requests never share a scale)")
+    return ACTIVATION_QUANTIZATION.get(backend, "not quantized (the weight is dequantized or used as stored)")
 
 
 # -- dispatch by measurement ---------------------------------------------------
@@ -530,18 +559,8 @@ class KvBProj:
                              f"fp8 weights, got {x.dtype}")
         if x.device != self.device:
             raise ValueError(f"x must be on {self.device}, got {x.device}")
-        if x_scale is not None and not isinstance(x_scale, torch.Tensor):
-            raise ValueError(f"x_scale: expected a one-element float tensor or None, got "
-                             f"{type(x_scale).__name__}")
-        if x_scale is not None and x_scale.device != x.device:
-            raise ValueError(f"x_scale: expected a tensor on {x.device} (x's device), got {x_scale.device}")
-        if x_scale is not None and (x_scale.numel() != 1 or not x_scale.dtype.is_floating_point):
-            raise ValueError(f"x_scale must be a one-element float tensor, got {x_scale.dtype} {tuple(x_scale.shape)}")
-        if x_scale is not None and x_scale.device.type == "cpu":
-            # Free on the CPU; on a GPU reading it would sync the host (the caller owns it there).
-            v = float(x_scale.reshape(()))
-            if not (0.0 < v < float("inf")):
-                raise ValueError(f"x_scale: expected a finite value > 0, got {v}")
+        if x_scale is not None:
+            self._check_x_scale(x, x_scale)
         if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (x.shape[0], self.N)
                                 or out.dtype != self.params_dtype or out.device != x.device
                                 or (self.N > 1 and out.stride(1) != 1)):
@@ -553,10 +572,34 @@ class KvBProj:
             checks.check_no_internal_overlap(out, "out")
             checks.check_no_overlap(out, "out", x, "x")
 
+    @staticmethod
+    def _check_x_scale(x: torch.Tensor, x_scale) -> None:
+        """A per-tensor scale (one element) or per-row scales [M, 1] (FP8 prefill's
+        per-token scales). A per-tensor scale is checked finite and > 0 where that is
+        free (the CPU); per-row scales are not: a non-finite row scale (a request
+        whose latents hold a NaN or inf) makes that row's output non-finite and no
+        other row's, so it is the request's own result, not a call error."""
+        m = x.shape[0]
+        if not isinstance(x_scale, torch.Tensor):
+            raise ValueError(f"x_scale: expected a one-element float tensor, float32 [{m}, 1] per-row "
+                             f"scales or None, got {type(x_scale).__name__}")
+        if x_scale.device != x.device:
+            raise ValueError(f"x_scale: expected a tensor on {x.device} (x's device), got {x_scale.device}")
+        per_row = x_scale.dim() == 2 and tuple(x_scale.shape) == (m, 1)
+        if not x_scale.dtype.is_floating_point or not (x_scale.numel() == 1 or per_row):
+            raise ValueError(f"x_scale must be a one-element float tensor or per-row scales [{m}, 1] "
+                             f"(x has {m} rows), got {x_scale.dtype} {tuple(x_scale.shape)}")
+        if x_scale.numel() == 1 and not per_row and x_scale.device.type == "cpu":
+            # Free on the CPU; on a GPU reading it would sync the host (the caller owns it there).
+            v = float(x_scale.reshape(()))
+            if not (0.0 < v < float("inf")):
+                raise ValueError(f"x_scale: expected a finite value > 0, got {v}")
+
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] in params_dtype (or fp8 for fp8 weights, scaled by the per-tensor
-        `x_scale`, default 1). The row stride may exceed K: `workspace[:, :L]` works."""
+        """x [M, K] in params_dtype (or fp8 for fp8 weights, scaled by `x_scale`: one
+        element (per tensor) or [M, 1] (per row); default 1). The row stride may exceed
+        K: `workspace[:, :L]` works."""
         self._check(x, x_scale, out)
         if x.shape[0] == 0:
             return out if out is not None else torch.empty((0, self.N), dtype=self.params_dtype, device=x.device)
@@ -576,7 +619,13 @@ class KvBProj:
         cap = _capability(device)
         head = (f"{self.weight_format.describe()} on {device}"
                 + (f" (sm_{cap[0]}{cap[1]})" if cap else "") + f", M={M}")
-        return head + "\n" + DISPATCH.explain(self._inputs(M, device, act_dtype or self.params_dtype))
+        inputs = self._inputs(M, device, act_dtype or self.params_dtype)
+        text = head + "\n" + DISPATCH.explain(inputs)
+        try:
+            name = DISPATCH.choose(inputs).name
+        except ValueError:
+            return text
+        return text + f"\n  activations: {activation_quantization(name, inputs.act_dtype)}"
 
 
 # -- machine-level report for the `info` CLI ----------------------------------

@@ -206,8 +206,8 @@ def quantize_activation(x: torch.Tensor, kp: int, x_scale: torch.Tensor | None =
     """x [M, K] -> (q fp8 [Mp, kp], scales fp32 [Mp, kp/128] M-major), Mp = round_up(M, 4).
 
     bf16/fp16/fp32 x: dynamic 1 x 128 quantization (`triton_group_quant`). fp8 x (FP8
-    prefill): used as it is, with its per-tensor `x_scale` (default 1) as every group's
-    scale; copied only to pad M or K."""
+    prefill): used as it is, with its `x_scale` (per tensor [1] or per row [M, 1],
+    default 1) as every group's scale of the row; copied only to pad M or K."""
     m, k = x.shape
     if x.dtype != torch.float8_e4m3fn:
         return gq.per_token_group_quant_fp8_mmajor(x, M_MULTIPLE, kp, use_triton=use_triton)
@@ -218,10 +218,11 @@ def quantize_activation(x: torch.Tensor, kp: int, x_scale: torch.Tensor | None =
         q = torch.zeros((mp, kp), dtype=torch.float8_e4m3fn, device=x.device)
         q[:m, :k] = x
     scales = gq.mmajor_scales(mp, kp // BLOCK, x.device)
-    if x_scale is None:
-        scales.fill_(1.0)
-    else:
-        scales.copy_(x_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(mp, kp // BLOCK))
+    scales.fill_(1.0)
+    if x_scale is not None:
+        s = x_scale.to(device=x.device, dtype=torch.float32).reshape(-1, 1)
+        rows = m if s.shape[0] == m else mp  # per-row scales, else one for every row
+        scales[:rows].copy_(s.expand(rows, kp // BLOCK))  # padding rows (zeros) keep scale 1
     return q, scales
 
 

@@ -98,10 +98,11 @@ def w8a8_block_fp8_matmul(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tenso
 def fp8_block_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out_dtype: torch.dtype,
                      out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] in bf16/fp16/fp32 (quantized here, 1 x 128 groups) or already fp8
-    (then `x_scale`, a per-tensor fp32 scale, default 1, dequantizes it)."""
+    (then `x_scale`, fp32 per tensor [1] or per row [M, 1], default 1, dequantizes it)."""
     if x.dtype == torch.float8_e4m3fn:
         g = triton.cdiv(x.shape[1], BLOCK_K)
-        s = torch.ones(1, dtype=torch.float32, device=x.device) if x_scale is None else x_scale.float().reshape(1)
+        s = (torch.ones(1, 1, dtype=torch.float32, device=x.device) if x_scale is None
+             else x_scale.float().reshape(-1, 1))
         a_s = s.expand(x.shape[0], g).contiguous()
         return w8a8_block_fp8_matmul(x, a_s, w_q, w_s, out_dtype, out)
     a_q, a_s = quant.per_token_group_quant_fp8(x)

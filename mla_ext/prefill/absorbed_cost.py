@@ -92,6 +92,18 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(idx)
 
 
+def _rate(v) -> float | None:
+    """A measured rate as a finite float > 0, else None (never raises: a 400-digit
+    integer in a table is an OverflowError for float())."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) and f > 0 else None
+
+
 def rates_from_table(device_name_: str, directory: str | None = None) -> tuple[Rates | None, str]:
     """The measured rates for a device, or None and why not."""
     from mla_ext import dispatch as D
@@ -109,15 +121,13 @@ def rates_from_table(device_name_: str, directory: str | None = None) -> tuple[R
     r = sec.get("rates") if isinstance(sec, dict) else None
     if not isinstance(r, dict):
         return None, f"no {OP} rates for {device_name_} in {path}"
-    try:
-        vals = [float(r[k]) for k in RATE_KEYS]
-    except (KeyError, TypeError, ValueError):
-        return None, f"{path}: {OP} rates need numbers for {', '.join(RATE_KEYS)}"
-    if not all(math.isfinite(v) and v > 0 for v in vals):
-        return None, f"{path}: {OP} rates must be finite and > 0, got {r}"
+    vals = [_rate(r.get(k)) for k in RATE_KEYS]
+    if None in vals:
+        why = f"{OP} rates must be finite and > 0, numbers for {', '.join(RATE_KEYS)}"
+        D.warn_table(path, f"{why}; the {OP} rates are ignored (stated defaults)")
+        return None, f"{path}: {why}"
     by_fmt = r.get("latent_flops_by_format", {})
-    by_fmt = tuple(sorted((str(k), float(v)) for k, v in by_fmt.items()
-                          if isinstance(v, (int, float)) and math.isfinite(v) and v > 0)) \
+    by_fmt = tuple(sorted((str(k), _rate(v)) for k, v in by_fmt.items() if _rate(v) is not None)) \
         if isinstance(by_fmt, dict) else ()
     return Rates(*vals, source=f"measured: {path} [{OP}] ({sec.get('source', 'no source given')})",
                  latent_by_format=by_fmt), ""

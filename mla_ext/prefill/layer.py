@@ -52,7 +52,7 @@ from mla_ext.cache import checks as cache_checks
 from mla_ext.cache.context_parallel import cp_gather_context, cp_local_lens
 from mla_ext.formats import QuantMode, ScaleKind
 from mla_ext.kv_b_proj.input_dtype import kv_b_proj_input_dtype
-from mla_ext.kv_b_proj.linear import KvBProj
+from mla_ext.kv_b_proj.linear import KvBProj, activation_quantization
 from mla_ext.kv_b_proj.weights import WeightFormat
 from mla_ext.models import MLAModelConfig
 from mla_ext.policy import CacheConfig, LayerCacheSpec, check_bool, check_configs, resolve_layer
@@ -252,6 +252,13 @@ class MLAPrefill:
         # SPEC §5: a pure function of the layer. None means "no cast": the
         # activations stay in the model dtype (the linear quantizes itself).
         self.kv_b_proj_input_dtype = kv_b_proj_input_dtype(self.kv_b_proj, self.use_fp8_prefill)
+        if self.kv_b_proj_input_dtype is None and self.kv_b_proj.params_dtype != model.model_dtype:
+            # "No cast" assumes the linear takes the model dtype. A checkpoint whose
+            # kv_b_proj params_dtype differs (fp8 weights declared fp16/fp32 in a bf16
+            # model) would otherwise be accepted here and refused by the linear at the
+            # first forward: reconcile now by casting to its params dtype, as the
+            # dense, int4 and Marlin rows of the table already do (explain() says so).
+            self.kv_b_proj_input_dtype = self.kv_b_proj.params_dtype
         self.workspace_dtype = self.spec.workspace_dtype
         self.cp = context_parallel
         cp_size, cp_i = (self.cp.cp_size, self.cp.interleave) if self.cp else (1, 1)
@@ -308,18 +315,33 @@ class MLAPrefill:
             f"  attention: softmax scale {self.softmax_scale:.5f} ({self.softmax_scale_source}); "
             f"model dtype {self.model.model_dtype} ({self.model.dtype_source})",
             f"  kv_b_proj: {self.kv_b_proj.weight_format.describe()}; input dtype "
-            f"{self.activation_dtype} (fp8 prefill {'on' if self.use_fp8_prefill else 'off'})",
+            f"{self.activation_dtype} (fp8 prefill {'on' if self.use_fp8_prefill else 'off'})"
+            + (f"; params_dtype {self.kv_b_proj.params_dtype} differs from the model dtype "
+               f"{self.model.model_dtype}: activations cast to it, its output cast back"
+               if self.kv_b_proj.params_dtype != self.model.model_dtype else ""),
         ]
         try:
             backend = self.kv_b_proj.backend_for(self.workspace_rows, device, self._linear_act_dtype())
         except ValueError as exc:
             backend = f"none ({exc})"
         lines.append(f"  kv_b_proj backend at M={self.workspace_rows} on {device}: {backend}")
+        quant = activation_quantization(backend, self._linear_act_dtype())
+        lines.append(f"  kv_b_proj activations: {quant}")
         lines += self.context_attention.explain(self, device)
+        if self.context_attention.mode != "up_project" and not quant.startswith("not quantized"):
+            # The absorbed path multiplies by the dequantized weight in the model dtype:
+            # its chunks skip the activation quantization the up-projection applies.
+            lines.append("  note: absorbed context chunks use the dequantized kv_b_proj weight with unquantized "
+                         "activations, up_project chunks and the new tokens the quantized activations above: "
+                         "the two context paths differ by that quantization (about 2e-2 per layer on random "
+                         "data; context_attention='up_project' makes every chunk quantize alike)")
         return "\n".join(lines)
 
     def explain_context(self, metadata: "PrefillMetadata", device: torch.device | str | None = None) -> str:
         """The path every context chunk of `metadata` takes on `device`, and why."""
+        if not isinstance(metadata, PrefillMetadata):
+            raise ValueError(f"metadata: expected a PrefillMetadata (explain_context(metadata, device=None)), "
+                             f"got {type(metadata).__name__} {metadata!r:.60}")
         device = as_device(device) if device is not None else metadata.block_table.device
         return "\n".join([f"layer {self.layer_index}: context chunks on {device}"]
                          + self.context_attention.explain_chunks(self, metadata, device))
@@ -395,10 +417,13 @@ class MLAPrefill:
         x_scale = None
         want = self.kv_b_proj_input_dtype
         if want in FP8_DTYPES:
-            # FP8 prefill into an fp8 weight: quantize with a per-tensor scale
-            # computed on the device (no host sync).
-            amax = kv_c.abs().amax().float().clamp(min=1e-12)
-            x_scale = (amax / torch.finfo(want).max).reshape(1)
+            # FP8 prefill into an fp8 weight: quantize with one scale per row
+            # (per token), computed on the device (no host sync). Per row, not
+            # per tensor: a row's scale depends on that row alone, so a
+            # non-finite value in one request's latents makes only its own rows
+            # non-finite instead of every request's (issue 20).
+            amax = kv_c.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+            x_scale = amax / torch.finfo(want).max  # [M, 1]
             x = (kv_c.float() / x_scale).clamp(-torch.finfo(want).max, torch.finfo(want).max).to(want)
         elif want is not None and kv_c.dtype != want:
             x = kv_c.to(want)

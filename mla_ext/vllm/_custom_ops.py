@@ -123,8 +123,16 @@ def _batch_size(batch_size, expected, what: str) -> None:
            f"batch_size: expected {what} = {expected}, got {batch_size}")
 
 
+def _scale(scale, kv_cache_dtype) -> None:
+    """vLLM's `scale` is a tensor for every format, even one that ignores its value."""
+    _check(isinstance(scale, Tensor),
+           f"scale: expected a float32 tensor [1] (kv_cache_dtype {kv_cache_dtype!r} may ignore its value, "
+           f"but the op takes one), got {type(scale).__name__}")
+
+
 def _check_concat(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, skip_scale) -> None:
     _check(isinstance(skip_scale, bool), f"skip_scale: expected a bool, got {skip_scale!r}")
+    _scale(scale, kv_cache_dtype)
     _one_device("concat_and_cache_mla", kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache,
                 slot_mapping=slot_mapping, scale=scale)
 
@@ -142,6 +150,7 @@ def _check_gather(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_to
     _tensor(token_to_seq, "token_to_seq", 1, torch.int32)
     _check(token_to_seq.numel() >= num_tokens,
            f"token_to_seq: expected at least num_tokens={num_tokens} entries, got {token_to_seq.numel()}")
+    _scale(scale, kv_cache_dtype)
     _one_device("gather_and_maybe_dequant_cache", src_cache=src_cache, dst=dst, block_table=block_table,
                 cu_seq_lens=cu_seq_lens, token_to_seq=token_to_seq, scale=scale, seq_starts=seq_starts)
 
@@ -195,6 +204,12 @@ def _check_merge(output, prefix_output, prefix_lse, suffix_output, suffix_lse, o
     _check(rows_ok and tuple(prefix_output.shape[1:]) == (heads, dim),
            f"prefix_output: expected shape {list(o_shape)} (as output)"
            + ("" if p is None else f" or [>= {p}, {heads}, {dim}]") + f", got {list(prefix_output.shape)}")
+    # The native merge's stride rule, named as vLLM names the arguments (a float8
+    # output is written by a copy, at any strides).
+    for name, o in (("prefix_output", prefix_output), ("suffix_output", suffix_output),
+                    ("output", output if output_scale is None else None)):
+        _check(o is None or dim <= 1 or o.stride(2) == 1,
+               f"{name}: the head dim must be contiguous (stride 1), got stride {o.stride(2) if o is not None else 1}")
     for name, lse in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse)):
         if lse is None and name == "output_lse":
             continue

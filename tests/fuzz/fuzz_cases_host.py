@@ -12,6 +12,7 @@ refused in O(1), so those cases have a short timeout.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import io
 import json
@@ -282,6 +283,8 @@ method("compute_kv_scale_valid", lambda l, g: l.compute_kv_scale(torch.ones(2, T
                                                                   torch.ones(2, TINY.R, dtype=BF16)), "accept")
 method("explain_valid", lambda l, g: l.explain(), "accept", check=that(lambda t: "layer 1" in t, lambda t: t))
 method("explain_device_garbage", lambda l, g: l.explain("tpu9"), args=("device",))
+method("explain_context_str", lambda l, g: l.explain_context("meta"), args=("metadata",))  # issue 20
+method("explain_context_none", lambda l, g: l.explain_context(None), args=("metadata",))
 
 
 def meta_case(name, make, expect="reject", args=(), check=None, **kw):
@@ -867,6 +870,37 @@ cli_case("demo_unknown_flag", ["demo", "--bogus"], args=("--bogus",))
 cli_case("demo_check_queries_word", ["demo", "--check-queries", "abc"], args=("--check-queries",))
 cli_case("demo_check_queries_zero", ["demo", "--check-queries", "0"], args=("--check-queries",))
 cli_case("demo_progress_typo", ["demo", "--progress", "maybe"], args=("--progress",))
+# issue 20: out-of-range numbers are usage errors naming the flag (before any output)
+cli_case("demo_seed_1e23", ["demo", "--seed", str(10**23)], args=("--seed",))
+cli_case("demo_seed_negative", ["demo", "--seed", "-1"], args=("--seed",))
+cli_case("block_size_1e23", ["plan", "--memory", "1GiB", "--block-size", str(10**23)], args=("--block-size",))
+cli_case("alignment_1e30", ["plan", "--memory", "1GiB", "--alignment", str(10**30)], args=("--alignment",))
+
+
+class _FailingStdout(io.StringIO):
+    """stdout of a full disk (ENOSPC) or a closed pipe (EPIPE)."""
+
+    def __init__(self, err: int):
+        super().__init__()
+        self.err = err
+
+    def write(self, text):
+        raise OSError(self.err, os.strerror(self.err))
+
+
+def cli_output_fails(argv: list[str], err: int) -> str:
+    """main() with a stdout that fails: exit 1 and one line on stderr, no traceback."""
+    out, text = _FailingStdout(err), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(text):
+        rc = cli.main(argv)
+    lines = text.getvalue().strip().splitlines()
+    if rc != 1 or len(lines) != 1 or "cannot write the output" not in lines[0]:
+        raise CliTraceback(f"exit code {rc}, stderr {lines}")
+    return lines[0]
+
+
+for _label, _err in (("full_disk", errno.ENOSPC), ("broken_pipe", errno.EPIPE)):
+    simple(MAIN, f"plan_{_label}", lambda e=_err: cli_output_fails(["plan", "--memory", "1GiB"], e), "accept")
 
 simple(f"{CLI}:parse_memory", "valid", lambda: cli.parse_memory("1.5GiB"), "accept", check=equals(3 * GIB // 2))
 simple(f"{CLI}:parse_memory", "none", lambda: cli.parse_memory(None), args=("--memory", "text"))

@@ -171,6 +171,8 @@ for _label, _v in (("nan", float("nan")), ("zero", 0.0), ("negative", -1.0), ("i
       mutate=lambda g, a, l, v=_v: (_fp8_x(g, a, l), a["x_scale"].fill_(v)))
 F("x_scale_two_elements", "reject", ("x_scale",), kind="fp8_block",
   mutate=lambda g, a, l: (_fp8_x(g, a, l), a.update(x_scale=torch.tensor([1.0, 1.0]))))
+F("x_scale_per_row_wrong_rows", "reject", ("x_scale",), kind="fp8_block",  # per-row scales are [M, 1]
+  mutate=lambda g, a, l: (_fp8_x(g, a, l), a.update(x_scale=torch.ones(a["x"].shape[0] + 1, 1))))
 F("x_scale_int", "reject", ("x_scale",), kind="fp8_block",
   mutate=lambda g, a, l: (_fp8_x(g, a, l), a.update(x_scale=torch.tensor([1]))))
 F("x_scale_python_float", "reject", ("x_scale",), kind="fp8_block",
@@ -872,3 +874,13 @@ add(TB, "rounded_to_pow2", lambda g: Call(
     lambda key: None if key == "fp8_block/bfloat16/x=float8_e4m3fn/K=512/N=4096/M=128" else _fail(key)), "accept")
 ctor(TB, "M_str", lambda: linear.table_bucket("fp8_block", BF16, BF16, 512, 4096, "100"), args=("M",))
 ctor(TB, "M_negative", lambda: linear.table_bucket("fp8_block", BF16, BF16, 512, 4096, -1), args=("M",))
+
+AQ = f"{LIN}:activation_quantization"  # issue 20: explain() says when a backend quantizes activations
+add(AQ, "w8a8_block", lambda g: Call(
+    lambda: linear.activation_quantization("triton_fp8_block", BF16),
+    lambda t: None if "1x128 group to e4m3" in t else _fail(t)), "accept")
+add(AQ, "dense", lambda g: Call(
+    lambda: linear.activation_quantization("dequant_dense", BF16),
+    lambda t: None if t.startswith("not quantized") else _fail(t)), "accept")
+ctor(AQ, "act_dtype_str", lambda: linear.activation_quantization("triton_fp8_block", "bf16"), args=("act_dtype",))
+ctor(AQ, "backend_none", lambda: linear.activation_quantization(None, BF16), args=("backend",))
