@@ -1,0 +1,132 @@
+"""DeepSeek's chunked-prefix prefill in SGLang, done by mla_ext (imported by SGLang's process only).
+
+SGLang's ``forward_normal_chunked_kv_core`` attends the new tokens itself
+(``attn_mha``, output [T, H, V] and LSE [T, H] natural log) and hands them to
+``_chunked_prefix_attn_mha(q, accum_output, accum_lse, forward_batch)``, which
+loops over prefix chunks: gather from the pool, kv_b_proj, concat, attention
+with LSE, ``merge_state``. The hook below replaces that loop by
+``MLAPrefill.forward_context`` on SGLang's own pool (pool_view.py: a
+[pages, page_size, D] view, req_to_token rows as the block table), whose chunks
+go absorbed or up-projected by mla_ext's cost model, then one merge with
+SGLang's new-token result. The LSE is normalised at this boundary: SGLang's
+[T, H] becomes mla_ext's [H, T] (both natural log).
+
+Chunking is mla_ext's: the workspace holds ``SGLANG_MAX_KV_CHUNK_CAPACITY``
+rows (``forward_batch.get_max_chunk_capacity()``, SGLang's own bound on a
+chunk), one buffer per device and dtype shared by all layers.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from mla_ext.sglang.pool_view import Unsupported, block_table, kv_cache_format, paged_cache
+
+logger = logging.getLogger("mla_ext.sglang")
+_logged: set[str] = set()
+_lock = threading.Lock()
+_workspaces: dict[tuple, torch.Tensor] = {}
+_unit_scale: dict[torch.device, torch.Tensor] = {}
+STATS = {"mla_ext": 0, "sglang": 0}  # calls served by each (read by the tests)
+
+
+def _say_once(reason: str) -> None:
+    with _lock:
+        if reason in _logged:
+            return
+        _logged.add(reason)
+    logger.warning("mla_ext: left to SGLang's chunked-prefix prefill: %s", reason)
+
+
+def _backend_reasons(forward_batch) -> None:
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_mha import resolve_attn_backend
+
+    backend = resolve_attn_backend(forward_batch)
+    if getattr(backend, "pack_prefix_chunk_kv", None) is not None:
+        raise Unsupported(f"{type(backend).__name__} packs prefix chunks into its own FP8 layout")
+    if getattr(backend, "kv_index_translator", None) is not None:
+        raise Unsupported(f"{type(backend).__name__} translates KV indices (req_to_token rows are virtual)")
+
+
+def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int):
+    """The attention module's MLAPrefill for this pool format (built once, kept on the module)."""
+    from mla_ext.kv_b_proj.from_module import weight_format_from_module
+    from mla_ext.models import MLAModelConfig
+    from mla_ext.policy import CacheConfig
+    from mla_ext.prefill.layer import MLAPrefill
+
+    weight = attn.kv_b_proj.weight
+    key = (fmt, page_size, dtype, rows, weight.data_ptr())
+    cache = attn.__dict__.setdefault("_mla_ext_prefill", {})
+    if key not in cache:
+        model = MLAModelConfig(
+            name=f"sglang {type(attn).__name__} layer {attn.layer_id}", L=attn.kv_lora_rank,
+            R=attn.qk_rope_head_dim, P=attn.qk_nope_head_dim, V=attn.v_head_dim,
+            num_heads=attn.num_local_heads, num_layers=attn.layer_id + 1, model_dtype=dtype)
+        try:
+            w = weight_format_from_module(attn.kv_b_proj, dtype, arg="kv_b_proj")
+            cache.clear()  # a new format or reloaded weights replace the old layer
+            cache[key] = MLAPrefill(model, CacheConfig(kv_cache_dtype=fmt, block_size=page_size), w,
+                                    layer=attn.layer_id, workspace_rows_override=rows,
+                                    softmax_scale=float(attn.attn_mha.scaling))
+        except ValueError as exc:
+            raise Unsupported(f"layer {attn.layer_id}: {exc}") from None
+    return cache[key]
+
+
+def _workspace(layer, device: torch.device) -> torch.Tensor:
+    key = (device, layer.workspace_dtype, layer.workspace_rows, layer.model.L + layer.model.R)
+    ws = _workspaces.get(key)
+    if ws is None:
+        with _lock:
+            _workspaces.clear()  # one live buffer: a new capacity replaces the old one
+            ws = _workspaces[key] = torch.empty(key[2], key[3], dtype=key[1], device=device)
+    return ws
+
+
+def _unit(device: torch.device) -> torch.Tensor:
+    s = _unit_scale.get(device)
+    if s is None:
+        s = _unit_scale[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return s
+
+
+def context_attention(attn, q: torch.Tensor, forward_batch):
+    """(o [T, H, V], LSE [H, T]) of q against each request's cached prefix, by mla_ext."""
+    from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
+    if getattr(attn, "dcp_size", 1) > 1:
+        raise Unsupported("decode context parallelism (DCP) gathers the prefix across ranks")
+    _backend_reasons(forward_batch)
+    pool = get_token_to_kv_pool()
+    fmt, view_dtype = kv_cache_format(pool, q.dtype, attn.kv_lora_rank, attn.qk_rope_head_dim)
+    layer_pool = pool.full_kv_pool if hasattr(pool, "full_kv_pool") else pool
+    ps = layer_pool.page_size
+    cache = paged_cache(pool, attn.attn_mha.layer_id, view_dtype)
+    prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
+    qlens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    from mla_ext.prefill.layer import PrefillMetadata
+
+    layer = _layer(attn, fmt, ps, q.dtype, int(forward_batch.get_max_chunk_capacity()))
+    table = block_table(get_req_to_token_pool().req_to_token, forward_batch.req_pool_indices, max(prefix), ps)
+    meta = PrefillMetadata(table, prefix, qlens, block_size=ps)
+    return layer.forward_context(q, cache, meta, k_scale=_unit(q.device), workspace=_workspace(layer, q.device))
+
+
+def chunked_prefix_attn_mha(original, attn, q, accum_output, accum_lse, forward_batch):
+    """AROUND hook on DeepseekMHAForwardMixin._chunked_prefix_attn_mha: same inputs,
+    same result ([T, H, V] in accum_output's dtype), computed by mla_ext."""
+    from mla_ext.attention.api import merge_attn_states
+
+    try:
+        o_ctx, lse_ctx = context_attention(attn, q, forward_batch)
+    except Unsupported as exc:
+        _say_once(str(exc))
+        STATS["sglang"] += 1
+        return original(attn, q=q, accum_output=accum_output, accum_lse=accum_lse, forward_batch=forward_batch)
+    # SGLang's new-token LSE is [T, H]; mla_ext's merge takes [H, T] (natural log both).
+    out, _ = merge_attn_states(o_ctx, lse_ctx, accum_output, accum_lse.transpose(0, 1).contiguous())
+    STATS["mla_ext"] += 1
+    return out.to(accum_output.dtype)

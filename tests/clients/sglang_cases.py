@@ -1,0 +1,17 @@
+"""The cases tests/clients/sglang_chunked_prefix.py runs through SGLang's DeepSeek
+chunked-prefix prefill (no SGLang import here: the test module reads them to parametrize)."""
+
+# SGLang's MLA pools on the chunked path: bf16 (the model dtype) and fp8_e4m3
+# (plain cast, scale 1.0), each at token granularity (page 1, SGLang's default)
+# and with 16-token pages.
+POOLS = (("bfloat16", 1), ("bfloat16", 16), ("float8_e4m3fn", 16))
+
+# (name, prefix lengths, new-token lengths, chunk capacity): the capacity is
+# SGLANG_MAX_KV_CHUNK_CAPACITY, which sets how SGLang cuts the prefixes
+# (capacity // batch_size tokens per request and chunk) and mla_ext's workspace rows.
+BATCHES = (
+    ("one_chunk", [40, 23, 9], [3, 2, 4], 4096),
+    ("long_and_short", [150, 2, 61], [2, 5, 1], 96),  # several chunks; a short prefix ends early
+    ("empty_prefixes", [0, 52, 0, 17], [2, 3, 1, 2], 64),
+    ("many_chunks", [97], [6], 16),
+)
