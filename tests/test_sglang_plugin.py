@@ -29,7 +29,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RUNNER = HERE / "clients" / "sglang_chunked_prefix.py"
 RUN_TIMEOUT_S = 1500
-TOL = 1e-2  # SPEC §9, bf16 (rel. Frobenius vs float64)
+TOL = 1e-2  # SPEC §9, bf16 (rel. Frobenius vs float64): mla_ext in SGLang's place
+# SGLang's own loop rounds to bf16 the up-projected keys and values, each chunk's
+# attention output and each merge_state result, and its error grows with the
+# number of chunks: measured 0.005-0.007 with 1-5 chunks, 0.018 with 7 (mla_ext in
+# its place: 0.003-0.006 on the same batches). Its bound is that, not SPEC §9.
+TOL_SGLANG = 2.5e-2
 HOOKS = ["sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler",
          "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mha."
          "DeepseekMHAForwardMixin._chunked_prefix_attn_mha"]
@@ -125,9 +130,9 @@ def test_sglang_chunked_prefix_with_and_without_the_plugin(sglang_run, pool, pag
     assert "error" not in c, c.get("traceback", c.get("error"))
     assert "sglang_error" not in c, c.get("sglang_traceback")
     assert c["finite"]
-    assert c["sglang_vs_oracle"] <= TOL, c  # SGLang's own loop
+    assert c["sglang_vs_oracle"] <= TOL_SGLANG, c  # SGLang's own loop
     assert c["plugin_vs_oracle"] <= TOL, c  # mla_ext in its place
-    assert c["plugin_vs_sglang"] <= 2 * TOL, c
+    assert c["plugin_vs_sglang"] <= TOL + TOL_SGLANG, c
     if c["has_prefix"]:
         assert c["plugin_served"] == 1 and c["plugin_left_to_sglang"] == 0, c
         assert c["plugin_prefix_chunk_calls"] == 0, c  # no prefix chunk went through SGLang's loop

@@ -46,8 +46,9 @@ def _backend_reasons(forward_batch) -> None:
     backend = resolve_attn_backend(forward_batch)
     if getattr(backend, "pack_prefix_chunk_kv", None) is not None:
         raise Unsupported(f"{type(backend).__name__} packs prefix chunks into its own FP8 layout")
-    if getattr(backend, "kv_index_translator", None) is not None:
-        raise Unsupported(f"{type(backend).__name__} translates KV indices (req_to_token rows are virtual)")
+    translator = getattr(backend, "kv_index_translator", None)
+    if getattr(translator, "is_translating", False):
+        raise Unsupported("a unified KV pool (req_to_token holds virtual ids, translated per iteration)")
 
 
 def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int):

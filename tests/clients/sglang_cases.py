@@ -13,5 +13,5 @@ BATCHES = (
     ("one_chunk", [40, 23, 9], [3, 2, 4], 4096),
     ("long_and_short", [150, 2, 61], [2, 5, 1], 96),  # several chunks; a short prefix ends early
     ("empty_prefixes", [0, 52, 0, 17], [2, 3, 1, 2], 64),
-    ("many_chunks", [97], [6], 16),
+    ("many_chunks", [120], [6], 16),  # 8 chunks of one request
 )

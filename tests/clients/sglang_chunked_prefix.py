@@ -22,7 +22,9 @@ What is not SGLang's:
   in sys.modules that raise if used (SGLang's config package imports an
   InternVL image helper at import time; nothing here touches images); a
   temporary ``.dist-info`` declaring mla_ext's entry point when the installed
-  mla_ext predates it (see `_entry_point_dir`).
+  mla_ext predates it (see `_entry_point_dir`); the TP group stated as None
+  (one rank, no process group); ``skip_rope`` (q and k_pe come with RoPE
+  applied, as forward_normal_prepare hands them to the core).
 * The ragged attention kernel behind ``attn_mha``: SGLang calls it from
   FlashInfer / FA3 / TRT-LLM, CUDA libraries with no CPU build, and its CPU
   backends (torch_native, triton) have no prefix-chunk MHA. ``RaggedStandIn``
@@ -84,6 +86,12 @@ TINY_CONFIG = {
     "qk_rope_head_dim": 64, "v_head_dim": 32, "vocab_size": 256, "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-6, "rope_theta": 10000, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
 }
+# DeepSeek-V3's yarn: its mscale makes SGLang's softmax scale differ from
+# (P+R)^-0.5, as in the real model. The rotary embedding itself is not built
+# (skip_rope: the runner gives q and k_pe with RoPE applied, as
+# forward_normal_prepare hands them to the core).
+ROPE_SCALING = {"rope_type": "deepseek_yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 LAYER_ID = 1
 
 
@@ -112,6 +120,9 @@ def setup_sglang(tmp: str):
     (model / "config.json").write_text(json.dumps(TINY_CONFIG))
     args = ServerArgs(model_path=str(model), device="cpu", skip_tokenizer_init=True)
     runtime_context.publish(args, role="scheduler")
+    # One rank, no process group: o_proj (RowParallelLinear) reads the TP group
+    # only to decide on symmetric memory, off here.
+    runtime_context.get_parallel().override_permanently(tp_group=None)
     return model
 
 
@@ -126,9 +137,9 @@ def build_attention(model_dir: Path):
         cfg, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
         qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-        rope_theta=TINY_CONFIG["rope_theta"], rope_scaling=None,
+        rope_theta=TINY_CONFIG["rope_theta"], rope_scaling=dict(ROPE_SCALING),
         max_position_embeddings=cfg.max_position_embeddings, quant_config=None, layer_id=LAYER_ID,
-        prefix=f"model.layers.{LAYER_ID}.self_attn")
+        skip_rope=True, prefix=f"model.layers.{LAYER_ID}.self_attn")
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in attn.parameters():
@@ -145,8 +156,15 @@ def ragged_stand_in_class():
         """attn_mha's ragged prefill (FlashInfer/FA3 on a GPU) on mla_ext's varlen attention."""
 
         def __init__(self, token_to_kv_pool, req_to_token_pool):
+            from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+
             self.token_to_kv_pool = token_to_kv_pool
             self.req_to_token_pool = req_to_token_pool
+            # SGLang's own translator, as ModelRunner.init_kv_index_translator builds it
+            # (no allocator: a plain, non-unified pool, whose ids need no translation).
+            self.kv_index_translator = None if req_to_token_pool is None else KVIndexTranslator(
+                req_to_token=req_to_token_pool.req_to_token, token_to_kv_pool_allocator=None,
+                token_to_kv_pool=token_to_kv_pool, page_size=token_to_kv_pool.page_size, device="cpu")
             self.calls = {"new_tokens": 0, "prefix_chunk": 0}
 
         def init_forward_metadata(self, forward_batch):
