@@ -145,3 +145,49 @@ def test_the_batches_exercise_sglangs_chunk_loop(sglang_run):
     assert chunks["one_chunk"] == 1
     assert chunks["long_and_short"] >= 3
     assert chunks["many_chunks"] >= 8
+
+
+def test_dsa_fp8_pool_is_read_as_fp8_ds_mla(sglang_run):
+    """SGLang's DSA fp8 pool, written by SGLang (quantize_k_cache_separate): the plugin's
+    view decodes every row as SGLang's own dequantize_k_cache_paged_dsa does (to its bf16
+    output's rounding), and the chunked prefill on it matches the oracle."""
+    dsa = [c for c in sglang_run["cases"] if c["pool"] == "dsa_fp8"]
+    assert dsa
+    for c in dsa:
+        assert "error" not in c, c.get("traceback", c.get("error"))
+        assert c["format"] == "fp8_ds_mla"
+        assert c["decode_vs_sglang_dequant"] <= 4e-3, c  # bf16 rounding of SGLang's output only
+        assert c["finite"] and c["plugin_vs_oracle"] <= TOL, c
+        assert c["plugin_served"] == 1 and c["plugin_prefix_chunk_calls"] == 0, c
+
+
+def test_forward_context_is_forward_without_the_new_tokens():
+    """MLAPrefill.forward_context (what the plugin calls): the context half of forward,
+    LSE [N, T] natural log, -inf for a request without context; merged with the new
+    tokens' causal attention it gives forward's result."""
+    import torch
+
+    from mla_ext.attention.api import merge_attn_states, varlen_attention
+    from mla_ext.kv_b_proj import weights as W
+    from mla_ext.models import MLAModelConfig
+    from mla_ext.prefill.layer import CacheConfig, MLAPrefill, PrefillMetadata
+    from mla_ext.prefill.synthetic import SyntheticBatch
+
+    m = MLAModelConfig(name="tiny", L=64, R=16, P=16, V=16, num_heads=2, num_layers=2, model_dtype=torch.float32,
+                       max_model_len=256)
+    batch = SyntheticBatch(m, [40, 0, 9], [3, 2, 4], 16, seed=3)
+    w = torch.randn(m.num_heads * (m.P + m.V), m.L, generator=torch.Generator().manual_seed(4)) / 8
+    layer = MLAPrefill(m, CacheConfig(kv_cache_dtype="auto", block_size=16), W.DenseWeight.from_dense(w), layer=1,
+                       workspace_rows_override=32)
+    cache = torch.full(layer.spec.cache_shape(batch.num_blocks), float("nan"), dtype=layer.spec.storage_dtype)
+    layer.write_cache(*batch.layer_context(0), cache, torch.cat(batch.slots))
+    meta = PrefillMetadata(batch.block_table, [40, 0, 9], [3, 2, 4], block_size=16)
+    o_ctx, lse_ctx = layer.forward_context(batch.q, cache, meta)
+    assert tuple(lse_ctx.shape) == (2, 9) and torch.isinf(lse_ctx[:, 3:5]).all() and (o_ctx[3:5] == 0).all()
+    k_nope, v = layer._up_project(batch.kv_c_new)
+    cu = meta.cu_seqlens_q("cpu")
+    o_new, lse_new = varlen_attention(batch.q, k_nope, v, cu, cu, 4, 4, layer.softmax_scale, causal=True,
+                                      k_rope=batch.k_pe_new)
+    merged, _ = merge_attn_states(o_ctx, lse_ctx, o_new, lse_new)
+    full = layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta)
+    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)

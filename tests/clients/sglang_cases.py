@@ -15,3 +15,8 @@ BATCHES = (
     ("empty_prefixes", [0, 52, 0, 17], [2, 3, 1, 2], 64),
     ("many_chunks", [120], [6], 16),  # 8 chunks of one request
 )
+
+# The DSA fp8 pool (64-token pages, 656-byte fp8_ds_mla rows), plugin only.
+DSA_BATCHES = (
+    ("dsa_two_chunks", [100, 30], [3, 2], 128),
+)

@@ -202,7 +202,8 @@ class Case:
     """One batch on one SGLang pool: the pool written by SGLang, the ForwardBatch,
     the new tokens' q/k/v as SGLang's forward_normal_prepare makes them."""
 
-    def __init__(self, attn, pool_dtype: torch.dtype, page_size: int, prefix_lens, new_lens, seed: int):
+    def __init__(self, attn, pool_dtype: torch.dtype, page_size: int, prefix_lens, new_lens, seed: int,
+                 dsa: bool = False):
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MLATokenToKVPool, ReqToTokenPool
 
         gen = torch.Generator().manual_seed(seed)
@@ -211,8 +212,11 @@ class Case:
         seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
         pages_per_req = [-(-s // page_size) for s in seq_lens]
         num_pages = sum(pages_per_req) + 3
+        # dsa: the sparse-attention pool's fp8 rows (656 bytes: 512 e4m3, 4 fp32 tile scales, 64 bf16).
+        self.dsa = dsa
         self.pool = MLATokenToKVPool(num_pages * page_size, page_size, pool_dtype, L, R, layer_num=LAYER_ID + 1,
-                                     device="cpu", enable_memory_saver=False)
+                                     device="cpu", enable_memory_saver=False, use_dsa=dsa,
+                                     override_kv_cache_dim=656 if dsa else None)
         B = len(seq_lens)
         self.req_pool = ReqToTokenPool(B + 2, max(seq_lens) + page_size, "cpu", False)
         # Shuffled pages from 1 (page 0 holds SGLang's padding slot), a request's tokens in page order.
@@ -233,9 +237,13 @@ class Case:
         new_slots = torch.cat([sl[p:] for sl, p in zip(slots, prefix_lens)])
         ctx_latent = torch.cat([lat[:p] for lat, p in zip(self.latent, prefix_lens)])
         new_latent = torch.cat([lat[p:] for lat, p in zip(self.latent, prefix_lens)])
-        # SGLang's own writes (its CPU path of _set_mla_kv_buffer: set_kv_buffer of the latent).
+        # SGLang's own writes: its CPU path of _set_mla_kv_buffer (set_kv_buffer of the
+        # latent); the DSA pool only has set_mla_kv_buffer (SGLang's quantize_k_cache_separate).
         for loc, lat in ((ctx_slots, ctx_latent), (new_slots, new_latent)):
-            if loc.numel():
+            if loc.numel() and dsa:
+                self.pool.set_mla_kv_buffer(attn.attn_mha, KVWriteLoc(loc.long()), lat[:, None, :L].contiguous(),
+                                            lat[:, None, L:].contiguous())
+            elif loc.numel():
                 self.pool.set_kv_buffer(attn.attn_mha, KVWriteLoc(loc.long()), lat.unsqueeze(1), None)
         self.new_latent, self.slots, self.new_slots = new_latent, slots, new_slots
         self.seq_lens = seq_lens
@@ -263,13 +271,34 @@ class Case:
         k = attn._concat_and_cast_mha_k(k_nope, self.new_latent[:, L:].unsqueeze(1), fb)
         return self.q.clone(), k, v
 
+    def pool_values(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n, L+R] float: what the pool holds at `slots`, decoded by SGLang (fp8: its plain
+        cast; DSA rows: its dequantize_k_cache_paged_dsa, a Triton kernel)."""
+        buf = self.pool.get_key_buffer(LAYER_ID)
+        if not self.dsa:
+            return buf[slots.long(), 0].float()
+        from sglang.kernels.ops.attention.dsa.dequant_k_cache import dequantize_k_cache_paged_dsa
+
+        if slots.numel() == 0:
+            return torch.zeros(0, self.attn.kv_lora_rank + self.attn.qk_rope_head_dim)
+        return dequantize_k_cache_paged_dsa(buf, slots.to(torch.int32))[:, 0].float()
+
+    def mla_ext_decode(self, slots: torch.Tensor) -> torch.Tensor:
+        """The same rows decoded by mla_ext's fp8_ds_mla reference, from the plugin's view."""
+        from mla_ext.cache.reference import decode_cache_rows
+        from mla_ext.sglang.pool_view import kv_cache_format, paged_cache
+
+        fmt, view_dtype = kv_cache_format(self.pool, torch.bfloat16, self.attn.kv_lora_rank,
+                                          self.attn.qk_rope_head_dim)
+        rows = paged_cache(self.pool, LAYER_ID, view_dtype).reshape(-1, 656)[slots.long()]
+        return fmt, decode_cache_rows(rows, fmt).float()
+
     def oracle(self) -> torch.Tensor:
         """float64 attention output through o_proj, with the context as the pool holds it."""
         from mla_ext.prefill.reference import mla_prefill_reference
 
         attn, L = self.attn, self.attn.kv_lora_rank
-        buf = self.pool.get_key_buffer(LAYER_ID)[:, 0].float()  # the pool's values (fp8: SGLang's plain cast)
-        ctx = [buf[sl[:p].long()] for sl, p in zip(self.slots, self.prefix_lens)]
+        ctx = [self.pool_values(sl[:p]) for sl, p in zip(self.slots, self.prefix_lens)]
         new = self.new_latent.float()
         o = mla_prefill_reference(self.q.float(), new[:, :L], new[:, L:], [c[:, :L] for c in ctx],
                                   [c[:, L:] for c in ctx], self.new_lens, attn.kv_b_proj.weight.float(),
@@ -309,7 +338,7 @@ def dispatch_table(attn, backend) -> dict:
 
 
 def main(out_path: str) -> None:
-    from clients.sglang_cases import BATCHES, POOLS
+    from clients.sglang_cases import BATCHES, DSA_BATCHES, POOLS
 
     t0 = time.perf_counter()
     results, header = [], {}
@@ -383,6 +412,29 @@ def main(out_path: str) -> None:
                     plugin_left_to_sglang=chunked_prefix.STATS["sglang"] - before["sglang"],
                     plugin_prefix_chunk_calls=backend.calls["prefix_chunk"] - base["prefix_chunk"],
                     has_prefix=any(case.prefix_lens), finite=bool(torch.isfinite(out).all()))
+            except Exception as exc:
+                rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+            rec["seconds"] = round(time.perf_counter() - t, 3)
+            results.append(rec)
+        # 4. The DSA fp8 pool (SGLang's writer), read by the plugin as fp8_ds_mla. SGLang's own
+        # chunked loop cannot read these rows (its DSA layers take one-shot MHA or MLA, with
+        # their own dequantization), so only the plugin runs; the oracle gets the context
+        # as SGLang's dequantize_k_cache_paged_dsa decodes it.
+        for i, (name, prefix, new, capacity) in enumerate(DSA_BATCHES):
+            rec = {"pool": "dsa_fp8", "page_size": 64, "batch": name, "capacity": capacity}
+            t = time.perf_counter()
+            try:
+                case = Case(attn, torch.float8_e4m3fn, 64, prefix, new, seed=500 + i, dsa=True)
+                backend = RaggedStandIn(case.pool, case.req_pool)
+                ctx = torch.cat([sl[:p] for sl, p in zip(case.slots, prefix)])
+                fmt, ours = case.mla_ext_decode(ctx)
+                before = dict(chunked_prefix.STATS)
+                out, fb = run_core(case, backend, capacity)
+                rec.update(format=fmt, decode_vs_sglang_dequant=rel_fro(ours, case.pool_values(ctx)),
+                           plugin_vs_oracle=rel_fro(out, case.oracle()),
+                           plugin_served=chunked_prefix.STATS["mla_ext"] - before["mla_ext"],
+                           plugin_prefix_chunk_calls=backend.calls["prefix_chunk"],
+                           finite=bool(torch.isfinite(out).all()))
             except Exception as exc:
                 rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
             rec["seconds"] = round(time.perf_counter() - t, 3)
