@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from clients.client_tree import ClientUnavailable, ensure
-from clients.sglang_cases import BATCHES, POOLS
+from clients.sglang_cases import BATCHES, CONTEXT_MODES, POOLS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -116,17 +116,18 @@ def test_dispatch_cost_model_replaces_the_threshold(sglang_run):
     assert [after[f"triton/{p}"] for p in (4000, 9000, 200000)] == ["MLA"] * 3
 
 
-def _case(run, pool, page, batch):
+def _case(run, pool, page, batch, mode):
     for c in run["cases"]:
-        if (c["pool"], c["page_size"], c["batch"]) == (pool, page, batch):
+        if (c["pool"], c["page_size"], c["batch"], c.get("mode")) == (pool, page, batch, mode):
             return c
-    raise AssertionError(f"no result for {pool}/{page}/{batch}")
+    raise AssertionError(f"no result for {pool}/{page}/{batch}/{mode}")
 
 
+@pytest.mark.parametrize("mode", CONTEXT_MODES)
 @pytest.mark.parametrize("batch", [b[0] for b in BATCHES])
 @pytest.mark.parametrize("pool,page", POOLS, ids=lambda v: str(v))
-def test_sglang_chunked_prefix_with_and_without_the_plugin(sglang_run, pool, page, batch):
-    c = _case(sglang_run, pool, page, batch)
+def test_sglang_chunked_prefix_with_and_without_the_plugin(sglang_run, pool, page, batch, mode):
+    c = _case(sglang_run, pool, page, batch, mode)
     assert "error" not in c, c.get("traceback", c.get("error"))
     assert "sglang_error" not in c, c.get("sglang_traceback")
     assert c["finite"]
@@ -134,14 +135,25 @@ def test_sglang_chunked_prefix_with_and_without_the_plugin(sglang_run, pool, pag
     assert c["plugin_vs_oracle"] <= TOL, c  # mla_ext in its place
     assert c["plugin_vs_sglang"] <= TOL + TOL_SGLANG, c
     if c["has_prefix"]:
-        assert c["plugin_served"] == 1 and c["plugin_left_to_sglang"] == 0, c
+        assert c["plugin_mla_ext"] == 1 and c["plugin_sglang"] == 0, c
         assert c["plugin_prefix_chunk_calls"] == 0, c  # no prefix chunk went through SGLang's loop
         assert c["sglang_prefix_chunk_calls"] == c["sglang_chunks"] >= 1, c
+        assert c["plugin_absorbed"] + c["plugin_up_project"] >= 1, c  # mla_ext's chunks, each one path
+        if mode == "up_project":
+            assert c["plugin_absorbed"] == 0, c
+
+
+def test_the_cost_model_picks_per_chunk(sglang_run):
+    """Under auto, mla_ext's cost model takes both paths on these batches: absorbed for
+    chunks with few queries per context row, up-projected for the small many-chunk
+    splits (one batch mixes both)."""
+    auto = [c for c in sglang_run["cases"] if c.get("mode") == "auto" and c["pool"] != "dsa_fp8"]
+    assert sum(c["plugin_absorbed"] for c in auto) >= 1 and sum(c["plugin_up_project"] for c in auto) >= 1
 
 
 def test_the_batches_exercise_sglangs_chunk_loop(sglang_run):
     chunks = {c["batch"]: c.get("sglang_chunks") for c in sglang_run["cases"]
-              if (c["pool"], c["page_size"]) == ("bfloat16", 1)}
+              if (c["pool"], c["page_size"], c["mode"]) == ("bfloat16", 1, "auto")}
     assert chunks["one_chunk"] == 1
     assert chunks["long_and_short"] >= 3
     assert chunks["many_chunks"] >= 8
@@ -152,42 +164,10 @@ def test_dsa_fp8_pool_is_read_as_fp8_ds_mla(sglang_run):
     view decodes every row as SGLang's own dequantize_k_cache_paged_dsa does (to its bf16
     output's rounding), and the chunked prefill on it matches the oracle."""
     dsa = [c for c in sglang_run["cases"] if c["pool"] == "dsa_fp8"]
-    assert dsa
+    assert sorted(c["mode"] for c in dsa) == sorted(CONTEXT_MODES)
     for c in dsa:
         assert "error" not in c, c.get("traceback", c.get("error"))
         assert c["format"] == "fp8_ds_mla"
         assert c["decode_vs_sglang_dequant"] <= 4e-3, c  # bf16 rounding of SGLang's output only
         assert c["finite"] and c["plugin_vs_oracle"] <= TOL, c
-        assert c["plugin_served"] == 1 and c["plugin_prefix_chunk_calls"] == 0, c
-
-
-def test_forward_context_is_forward_without_the_new_tokens():
-    """MLAPrefill.forward_context (what the plugin calls): the context half of forward,
-    LSE [N, T] natural log, -inf for a request without context; merged with the new
-    tokens' causal attention it gives forward's result."""
-    import torch
-
-    from mla_ext.attention.api import merge_attn_states, varlen_attention
-    from mla_ext.kv_b_proj import weights as W
-    from mla_ext.models import MLAModelConfig
-    from mla_ext.prefill.layer import CacheConfig, MLAPrefill, PrefillMetadata
-    from mla_ext.prefill.synthetic import SyntheticBatch
-
-    m = MLAModelConfig(name="tiny", L=64, R=16, P=16, V=16, num_heads=2, num_layers=2, model_dtype=torch.float32,
-                       max_model_len=256)
-    batch = SyntheticBatch(m, [40, 0, 9], [3, 2, 4], 16, seed=3)
-    w = torch.randn(m.num_heads * (m.P + m.V), m.L, generator=torch.Generator().manual_seed(4)) / 8
-    layer = MLAPrefill(m, CacheConfig(kv_cache_dtype="auto", block_size=16), W.DenseWeight.from_dense(w), layer=1,
-                       workspace_rows_override=32)
-    cache = torch.full(layer.spec.cache_shape(batch.num_blocks), float("nan"), dtype=layer.spec.storage_dtype)
-    layer.write_cache(*batch.layer_context(0), cache, torch.cat(batch.slots))
-    meta = PrefillMetadata(batch.block_table, [40, 0, 9], [3, 2, 4], block_size=16)
-    o_ctx, lse_ctx = layer.forward_context(batch.q, cache, meta)
-    assert tuple(lse_ctx.shape) == (2, 9) and torch.isinf(lse_ctx[:, 3:5]).all() and (o_ctx[3:5] == 0).all()
-    k_nope, v = layer._up_project(batch.kv_c_new)
-    cu = meta.cu_seqlens_q("cpu")
-    o_new, lse_new = varlen_attention(batch.q, k_nope, v, cu, cu, 4, 4, layer.softmax_scale, causal=True,
-                                      k_rope=batch.k_pe_new)
-    merged, _ = merge_attn_states(o_ctx, lse_ctx, o_new, lse_new)
-    full = layer(batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta)
-    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
+        assert c["plugin_mla_ext"] == 1 and c["plugin_prefix_chunk_calls"] == 0, c

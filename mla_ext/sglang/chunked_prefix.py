@@ -14,10 +14,13 @@ SGLang's new-token result. The LSE is normalised at this boundary: SGLang's
 Chunking is mla_ext's: the workspace holds ``SGLANG_MAX_KV_CHUNK_CAPACITY``
 rows (``forward_batch.get_max_chunk_capacity()``, SGLang's own bound on a
 chunk), one buffer per device and dtype shared by all layers.
+``MLA_EXT_SGLANG_CONTEXT`` = auto (default: per chunk by the cost model),
+absorbed or up_project forces one path for every chunk.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import torch
@@ -29,10 +32,22 @@ _logged: set[str] = set()
 _lock = threading.Lock()
 _workspaces: dict[tuple, torch.Tensor] = {}
 _unit_scale: dict[torch.device, torch.Tensor] = {}
-STATS = {"mla_ext": 0, "sglang": 0}  # calls served by each (read by the tests)
+CONTEXT_ENV = "MLA_EXT_SGLANG_CONTEXT"
+# Calls served by each side, and the path mla_ext took per chunk (read by the tests).
+STATS = {"mla_ext": 0, "sglang": 0, "absorbed": 0, "up_project": 0}
 
 
-def _say_once(reason: str) -> None:
+def context_mode() -> str:
+    from mla_ext.prefill.absorbed import check_context_attention
+
+    value = os.environ.get(CONTEXT_ENV, "").strip().lower() or "auto"
+    try:
+        return check_context_attention(value)
+    except ValueError as exc:
+        raise ValueError(f"{CONTEXT_ENV}: {exc}") from None
+
+
+def say_once(reason: str) -> None:
     with _lock:
         if reason in _logged:
             return
@@ -51,7 +66,7 @@ def _backend_reasons(forward_batch) -> None:
         raise Unsupported("a unified KV pool (req_to_token holds virtual ids, translated per iteration)")
 
 
-def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int):
+def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int, mode: str):
     """The attention module's MLAPrefill for this pool format (built once, kept on the module)."""
     from mla_ext.kv_b_proj.from_module import weight_format_from_module
     from mla_ext.models import MLAModelConfig
@@ -59,7 +74,7 @@ def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int):
     from mla_ext.prefill.layer import MLAPrefill
 
     weight = attn.kv_b_proj.weight
-    key = (fmt, page_size, dtype, rows, weight.data_ptr())
+    key = (fmt, page_size, dtype, rows, mode, weight.data_ptr())
     cache = attn.__dict__.setdefault("_mla_ext_prefill", {})
     if key not in cache:
         model = MLAModelConfig(
@@ -71,7 +86,7 @@ def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int):
             cache.clear()  # a new format or reloaded weights replace the old layer
             cache[key] = MLAPrefill(model, CacheConfig(kv_cache_dtype=fmt, block_size=page_size), w,
                                     layer=attn.layer_id, workspace_rows_override=rows,
-                                    softmax_scale=float(attn.attn_mha.scaling))
+                                    softmax_scale=float(attn.attn_mha.scaling), context_attention=mode)
         except ValueError as exc:
             raise Unsupported(f"layer {attn.layer_id}: {exc}") from None
     return cache[key]
@@ -94,26 +109,35 @@ def _unit(device: torch.device) -> torch.Tensor:
     return s
 
 
-def context_attention(attn, q: torch.Tensor, forward_batch):
-    """(o [T, H, V], LSE [H, T]) of q against each request's cached prefix, by mla_ext."""
-    from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+def check_servable(attn, forward_batch, model_dtype: torch.dtype | None):
+    """(kv_cache_dtype, buffer view dtype) when mla_ext can take this layer's
+    chunked prefix; raises Unsupported (the reason) when it stays with SGLang."""
+    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
     if getattr(attn, "dcp_size", 1) > 1:
         raise Unsupported("decode context parallelism (DCP) gathers the prefix across ranks")
     _backend_reasons(forward_batch)
-    pool = get_token_to_kv_pool()
-    fmt, view_dtype = kv_cache_format(pool, q.dtype, attn.kv_lora_rank, attn.qk_rope_head_dim)
-    layer_pool = pool.full_kv_pool if hasattr(pool, "full_kv_pool") else pool
-    ps = layer_pool.page_size
-    cache = paged_cache(pool, attn.attn_mha.layer_id, view_dtype)
-    prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
-    qlens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    return kv_cache_format(get_token_to_kv_pool(), model_dtype, attn.kv_lora_rank, attn.qk_rope_head_dim)
+
+
+def context_attention(attn, q: torch.Tensor, forward_batch):
+    """(o [T, H, V], LSE [H, T]) of q against each request's cached prefix, by mla_ext."""
+    from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
     from mla_ext.prefill.layer import PrefillMetadata
 
-    layer = _layer(attn, fmt, ps, q.dtype, int(forward_batch.get_max_chunk_capacity()))
+    fmt, view_dtype = check_servable(attn, forward_batch, q.dtype)
+    cache = paged_cache(get_token_to_kv_pool(), attn.attn_mha.layer_id, view_dtype)
+    ps = cache.shape[1]
+    prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
+    qlens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    layer = _layer(attn, fmt, ps, q.dtype, int(forward_batch.get_max_chunk_capacity()), context_mode())
     table = block_table(get_req_to_token_pool().req_to_token, forward_batch.req_pool_indices, max(prefix), ps)
     meta = PrefillMetadata(table, prefix, qlens, block_size=ps)
-    return layer.forward_context(q, cache, meta, k_scale=_unit(q.device), workspace=_workspace(layer, q.device))
+    out = layer.forward_context(q, cache, meta, k_scale=_unit(q.device), workspace=_workspace(layer, q.device))
+    for c in meta.plan(layer.workspace_rows, layer.chunk_alignment).chunks:  # choices are cached: no recompute
+        STATS[layer.context_attention.choose(c, q.device).path] += 1
+    return out
 
 
 def chunked_prefix_attn_mha(original, attn, q, accum_output, accum_lse, forward_batch):
@@ -124,7 +148,7 @@ def chunked_prefix_attn_mha(original, attn, q, accum_output, accum_lse, forward_
     try:
         o_ctx, lse_ctx = context_attention(attn, q, forward_batch)
     except Unsupported as exc:
-        _say_once(str(exc))
+        say_once(str(exc))
         STATS["sglang"] += 1
         return original(attn, q=q, accum_output=accum_output, accum_lse=accum_lse, forward_batch=forward_batch)
     # SGLang's new-token LSE is [T, H]; mla_ext's merge takes [H, T] (natural log both).

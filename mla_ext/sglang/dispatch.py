@@ -15,8 +15,9 @@ parallelism pin MLA, ``disable_chunked_prefix_cache``, flashinfer's
 
 Not changed: triton (SGLang's default below Hopper; its backend has no
 prefix-chunk MHA), trtllm_mla (always chunks already), fa4, aiter, dsa, ascend;
-and batches whose pool mla_ext cannot read (the FP4 pool): their handler's
-answer stands.
+and batches mla_ext's chunked path would leave to SGLang (the FP4 pool, DCP,
+unified pools, packed FP8 prefixes: chunked_prefix.check_servable): their
+handler's answer stands.
 """
 from __future__ import annotations
 
@@ -37,16 +38,14 @@ class _ThresholdOne:
         return getattr(self._attn, name)
 
 
-def _pool_servable(attn) -> bool:
-    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
-
-    from mla_ext.sglang.chunked_prefix import _say_once
-    from mla_ext.sglang.pool_view import Unsupported, kv_cache_format
+def _servable(attn, forward_batch) -> bool:
+    from mla_ext.sglang.chunked_prefix import say_once, check_servable
+    from mla_ext.sglang.pool_view import Unsupported
 
     try:
-        kv_cache_format(get_token_to_kv_pool(), None, attn.kv_lora_rank, attn.qk_rope_head_dim)
+        check_servable(attn, forward_batch, None)
     except Unsupported as exc:
-        _say_once(str(exc))
+        say_once(str(exc))
         return False
     return True
 
@@ -57,7 +56,7 @@ def cost_model_handler(handler):
 
     def handle(attn, forward_batch):
         prefix = forward_batch.extend_prefix_lens_cpu
-        if not prefix or not any(prefix) or not _pool_servable(attn):
+        if not prefix or not any(prefix) or not _servable(attn, forward_batch):
             return handler(attn, forward_batch)
         method = handler(_ThresholdOne(attn), forward_batch)
         if method == AttnForwardMethod.MHA_ONE_SHOT:

@@ -20,3 +20,8 @@ BATCHES = (
 DSA_BATCHES = (
     ("dsa_two_chunks", [100, 30], [3, 2], 128),
 )
+
+# How the plugin attends the context chunks (MLA_EXT_SGLANG_CONTEXT): auto (mla_ext's
+# cost model; on these few-query batches it picks the absorbed path), and up_project
+# forced (gather, kv_b_proj, head-space attention), so both of mla_ext's paths run.
+CONTEXT_MODES = ("auto", "up_project")

@@ -338,7 +338,7 @@ def dispatch_table(attn, backend) -> dict:
 
 
 def main(out_path: str) -> None:
-    from clients.sglang_cases import BATCHES, DSA_BATCHES, POOLS
+    from clients.sglang_cases import BATCHES, CONTEXT_MODES, DSA_BATCHES, POOLS
 
     t0 = time.perf_counter()
     results, header = [], {}
@@ -390,55 +390,59 @@ def main(out_path: str) -> None:
         load_plugins()
         header["hooks_when_on"] = sorted(t for t in plugin.HOOK_TARGETS if t in HookRegistry._patched)
         header["dispatch_with"] = dispatch_table(attn, probe_backend)
-        for pool_dtype, page_size, name, capacity, case, backend in cases:
-            key = (pool_dtype, page_size, name)
-            rec = {"pool": pool_dtype, "page_size": page_size, "batch": name, "capacity": capacity}
-            t = time.perf_counter()
-            try:
-                before = dict(chunked_prefix.STATS)
-                base = dict(backend.calls)
-                out, fb = run_core(case, backend, capacity)
-                oracle = case.oracle()
-                sg = outs[key]
-                if "error" in sg:
-                    rec.update(sglang_error=sg["error"], sglang_traceback=sg["traceback"])
-                else:
-                    rec.update(sglang_vs_oracle=rel_fro(sg["out"], oracle), sglang_chunks=sg["chunks"],
-                               sglang_prefix_chunk_calls=sg["calls"]["prefix_chunk"],
-                               plugin_vs_sglang=rel_fro(out, sg["out"]))
-                rec.update(
-                    plugin_vs_oracle=rel_fro(out, oracle),
-                    plugin_served=chunked_prefix.STATS["mla_ext"] - before["mla_ext"],
-                    plugin_left_to_sglang=chunked_prefix.STATS["sglang"] - before["sglang"],
-                    plugin_prefix_chunk_calls=backend.calls["prefix_chunk"] - base["prefix_chunk"],
-                    has_prefix=any(case.prefix_lens), finite=bool(torch.isfinite(out).all()))
-            except Exception as exc:
-                rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
-            rec["seconds"] = round(time.perf_counter() - t, 3)
-            results.append(rec)
+        for mode in CONTEXT_MODES:
+            os.environ[chunked_prefix.CONTEXT_ENV] = mode
+            for pool_dtype, page_size, name, capacity, case, backend in cases:
+                key = (pool_dtype, page_size, name)
+                rec = {"pool": pool_dtype, "page_size": page_size, "batch": name, "capacity": capacity, "mode": mode}
+                t = time.perf_counter()
+                try:
+                    before, base = dict(chunked_prefix.STATS), dict(backend.calls)
+                    out, fb = run_core(case, backend, capacity)
+                    oracle = case.oracle()
+                    sg = outs[key]
+                    if "error" in sg:
+                        rec.update(sglang_error=sg["error"], sglang_traceback=sg["traceback"])
+                    else:
+                        rec.update(sglang_vs_oracle=rel_fro(sg["out"], oracle), sglang_chunks=sg["chunks"],
+                                   sglang_prefix_chunk_calls=sg["calls"]["prefix_chunk"],
+                                   plugin_vs_sglang=rel_fro(out, sg["out"]))
+                    rec.update(plugin_vs_oracle=rel_fro(out, oracle), has_prefix=any(case.prefix_lens),
+                               plugin_prefix_chunk_calls=backend.calls["prefix_chunk"] - base["prefix_chunk"],
+                               finite=bool(torch.isfinite(out).all()),
+                               **{f"plugin_{k}": chunked_prefix.STATS[k] - before[k] for k in before})
+                except Exception as exc:
+                    rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+                rec["seconds"] = round(time.perf_counter() - t, 3)
+                results.append(rec)
+
         # 4. The DSA fp8 pool (SGLang's writer), read by the plugin as fp8_ds_mla. SGLang's own
         # chunked loop cannot read these rows (its DSA layers take one-shot MHA or MLA, with
         # their own dequantization), so only the plugin runs; the oracle gets the context
         # as SGLang's dequantize_k_cache_paged_dsa decodes it.
         for i, (name, prefix, new, capacity) in enumerate(DSA_BATCHES):
-            rec = {"pool": "dsa_fp8", "page_size": 64, "batch": name, "capacity": capacity}
-            t = time.perf_counter()
-            try:
-                case = Case(attn, torch.float8_e4m3fn, 64, prefix, new, seed=500 + i, dsa=True)
-                backend = RaggedStandIn(case.pool, case.req_pool)
-                ctx = torch.cat([sl[:p] for sl, p in zip(case.slots, prefix)])
-                fmt, ours = case.mla_ext_decode(ctx)
-                before = dict(chunked_prefix.STATS)
-                out, fb = run_core(case, backend, capacity)
-                rec.update(format=fmt, decode_vs_sglang_dequant=rel_fro(ours, case.pool_values(ctx)),
-                           plugin_vs_oracle=rel_fro(out, case.oracle()),
-                           plugin_served=chunked_prefix.STATS["mla_ext"] - before["mla_ext"],
-                           plugin_prefix_chunk_calls=backend.calls["prefix_chunk"],
-                           finite=bool(torch.isfinite(out).all()))
-            except Exception as exc:
-                rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
-            rec["seconds"] = round(time.perf_counter() - t, 3)
-            results.append(rec)
+            case = Case(attn, torch.float8_e4m3fn, 64, prefix, new, seed=500 + i, dsa=True)
+            ctx = torch.cat([sl[:p] for sl, p in zip(case.slots, prefix)])
+            fmt, ours = case.mla_ext_decode(ctx)
+            decoded = rel_fro(ours, case.pool_values(ctx))
+            oracle = case.oracle()
+            for mode in CONTEXT_MODES:
+                os.environ[chunked_prefix.CONTEXT_ENV] = mode
+                rec = {"pool": "dsa_fp8", "page_size": 64, "batch": name, "capacity": capacity, "mode": mode,
+                       "format": fmt, "decode_vs_sglang_dequant": decoded}
+                t = time.perf_counter()
+                try:
+                    backend = RaggedStandIn(case.pool, case.req_pool)
+                    before = dict(chunked_prefix.STATS)
+                    out, fb = run_core(case, backend, capacity)
+                    rec.update(plugin_vs_oracle=rel_fro(out, oracle), plugin_prefix_chunk_calls=backend.calls["prefix_chunk"],
+                               finite=bool(torch.isfinite(out).all()),
+                               **{f"plugin_{k}": chunked_prefix.STATS[k] - before[k] for k in before})
+                except Exception as exc:
+                    rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+                rec["seconds"] = round(time.perf_counter() - t, 3)
+                results.append(rec)
+        os.environ.pop(chunked_prefix.CONTEXT_ENV, None)
         header["total_s"] = round(time.perf_counter() - t0, 1)
     Path(out_path).write_text(json.dumps({"header": header, "cases": results}, indent=1))
 
