@@ -171,3 +171,19 @@ def test_dsa_fp8_pool_is_read_as_fp8_ds_mla(sglang_run):
         assert c["decode_vs_sglang_dequant"] <= 4e-3, c  # bf16 rounding of SGLang's output only
         assert c["finite"] and c["plugin_vs_oracle"] <= TOL, c
         assert c["plugin_mla_ext"] == 1 and c["plugin_prefix_chunk_calls"] == 0, c
+
+
+def test_fp4_pool_is_left_to_sglang_and_said_once(sglang_run):
+    """SGLang's FP4 pool (data and scales apart) is not an mla_ext format: the hook runs
+    SGLang's own loop (which matches the oracle on the context as SGLang dequantizes it),
+    warns once for both calls, and the handlers keep their own choice."""
+    fp4 = [c for c in sglang_run["cases"] if c["pool"] == "fp4"]
+    assert sorted(c["mode"] for c in fp4) == sorted(CONTEXT_MODES)
+    for c in fp4:
+        assert "error" not in c, c.get("traceback", c.get("error"))
+        assert c["plugin_sglang"] == 1 and c["plugin_mla_ext"] == 0, c
+        assert c["sglang_prefix_chunk_calls"] == c["sglang_chunks"] >= 2, c
+        assert c["sglang_vs_oracle"] <= TOL_SGLANG, c
+    warnings = sglang_run["header"]["fp4_warnings"]
+    assert len(warnings) == 1 and "left to SGLang" in warnings[0], warnings
+    assert sglang_run["header"]["fp4_dispatch_with"]["fa3/4000"] == "MLA"

@@ -25,3 +25,6 @@ DSA_BATCHES = (
 # cost model; on these few-query batches it picks the absorbed path), and up_project
 # forced (gather, kv_b_proj, head-space attention), so both of mla_ext's paths run.
 CONTEXT_MODES = ("auto", "up_project")
+
+# SGLang's FP4 pool: not an mla_ext format; the plugin leaves it to SGLang's loop.
+FP4_BATCH = ("fp4_left_to_sglang", [70, 12], [2, 3], 64)

@@ -42,6 +42,7 @@ the pool holds it, through o_proj in float64), and the two against each other.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -203,8 +204,13 @@ class Case:
     the new tokens' q/k/v as SGLang's forward_normal_prepare makes them."""
 
     def __init__(self, attn, pool_dtype: torch.dtype, page_size: int, prefix_lens, new_lens, seed: int,
-                 dsa: bool = False):
-        from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MLATokenToKVPool, ReqToTokenPool
+                 dsa: bool = False, fp4: bool = False):
+        from sglang.srt.mem_cache.memory_pool import (
+            KVWriteLoc,
+            MLATokenToKVPool,
+            MLATokenToKVPoolFP4,
+            ReqToTokenPool,
+        )
 
         gen = torch.Generator().manual_seed(seed)
         self.attn, self.prefix_lens, self.new_lens = attn, list(prefix_lens), list(new_lens)
@@ -214,9 +220,11 @@ class Case:
         num_pages = sum(pages_per_req) + 3
         # dsa: the sparse-attention pool's fp8 rows (656 bytes: 512 e4m3, 4 fp32 tile scales, 64 bf16).
         self.dsa = dsa
-        self.pool = MLATokenToKVPool(num_pages * page_size, page_size, pool_dtype, L, R, layer_num=LAYER_ID + 1,
-                                     device="cpu", enable_memory_saver=False, use_dsa=dsa,
-                                     override_kv_cache_dim=656 if dsa else None)
+        # fp4: SGLang's FP4 pool (e2m1 data and block scales in separate tensors).
+        pool_class = MLATokenToKVPoolFP4 if fp4 else MLATokenToKVPool
+        self.pool = pool_class(num_pages * page_size, page_size, pool_dtype, L, R, layer_num=LAYER_ID + 1,
+                               device="cpu", enable_memory_saver=False, use_dsa=dsa,
+                               override_kv_cache_dim=656 if dsa else None)
         B = len(seq_lens)
         self.req_pool = ReqToTokenPool(B + 2, max(seq_lens) + page_size, "cpu", False)
         # Shuffled pages from 1 (page 0 holds SGLang's padding slot), a request's tokens in page order.
@@ -273,7 +281,8 @@ class Case:
 
     def pool_values(self, slots: torch.Tensor) -> torch.Tensor:
         """[n, L+R] float: what the pool holds at `slots`, decoded by SGLang (fp8: its plain
-        cast; DSA rows: its dequantize_k_cache_paged_dsa, a Triton kernel)."""
+        cast; FP4: its get_key_buffer's dequantization; DSA rows: its
+        dequantize_k_cache_paged_dsa, a Triton kernel)."""
         buf = self.pool.get_key_buffer(LAYER_ID)
         if not self.dsa:
             return buf[slots.long(), 0].float()
@@ -338,7 +347,7 @@ def dispatch_table(attn, backend) -> dict:
 
 
 def main(out_path: str) -> None:
-    from clients.sglang_cases import BATCHES, CONTEXT_MODES, DSA_BATCHES, POOLS
+    from clients.sglang_cases import BATCHES, CONTEXT_MODES, DSA_BATCHES, FP4_BATCH, POOLS
 
     t0 = time.perf_counter()
     results, header = [], {}
@@ -442,6 +451,30 @@ def main(out_path: str) -> None:
                     rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
                 rec["seconds"] = round(time.perf_counter() - t, 3)
                 results.append(rec)
+
+        # 5. SGLang's FP4 pool: left to SGLang's own loop, said once (two calls, one warning).
+        said = []
+        catcher = logging.Handler()
+        catcher.emit = lambda record: said.append(record.getMessage())
+        logging.getLogger("mla_ext.sglang").addHandler(catcher)
+        name, prefix, new, capacity = FP4_BATCH
+        case = Case(attn, torch.float4_e2m1fn_x2, 16, prefix, new, seed=900, fp4=True)
+        oracle = case.oracle()
+        for mode in CONTEXT_MODES:
+            os.environ[chunked_prefix.CONTEXT_ENV] = mode
+            rec = {"pool": "fp4", "page_size": 16, "batch": name, "capacity": capacity, "mode": mode}
+            try:
+                backend = RaggedStandIn(case.pool, case.req_pool)
+                before = dict(chunked_prefix.STATS)
+                out, fb = run_core(case, backend, capacity)
+                rec.update(sglang_vs_oracle=rel_fro(out, oracle), sglang_chunks=fb.num_prefix_chunks,
+                           sglang_prefix_chunk_calls=backend.calls["prefix_chunk"],
+                           **{f"plugin_{k}": chunked_prefix.STATS[k] - before[k] for k in before})
+            except Exception as exc:
+                rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+            results.append(rec)
+        header["fp4_warnings"] = [m for m in said if "FP4" in m]
+        header["fp4_dispatch_with"] = dispatch_table(attn, RaggedStandIn(case.pool, None))
         os.environ.pop(chunked_prefix.CONTEXT_ENV, None)
         header["total_s"] = round(time.perf_counter() - t0, 1)
     Path(out_path).write_text(json.dumps({"header": header, "cases": results}, indent=1))
