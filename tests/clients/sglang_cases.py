@@ -1,10 +1,10 @@
 """The cases tests/clients/sglang_chunked_prefix.py runs through SGLang's DeepSeek
 chunked-prefix prefill (no SGLang import here: the test module reads them to parametrize)."""
 
-# SGLang's MLA pools on the chunked path: bf16 (the model dtype) and fp8_e4m3
-# (plain cast, scale 1.0), each at token granularity (page 1, SGLang's default)
-# and with 16-token pages.
-POOLS = (("bfloat16", 1), ("bfloat16", 16), ("float8_e4m3fn", 16))
+# SGLang's MLA pools on the chunked path: bf16 (the model dtype) at token
+# granularity (page 1, SGLang's default) and fp8_e4m3 (plain cast, scale 1.0)
+# with 16-token pages (the [pages, page_size, 576] view with page ids > 1 token).
+POOLS = (("bfloat16", 1), ("float8_e4m3fn", 16))
 
 # (name, prefix lengths, new-token lengths, chunk capacity): the capacity is
 # SGLANG_MAX_KV_CHUNK_CAPACITY, which sets how SGLang cuts the prefixes
