@@ -129,11 +129,16 @@ def context_attention(attn, q: torch.Tensor, forward_batch):
     fmt, view_dtype = check_servable(attn, forward_batch, q.dtype)
     cache = paged_cache(get_token_to_kv_pool(), attn.attn_mha.layer_id, view_dtype)
     ps = cache.shape[1]
-    prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
-    qlens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
     layer = _layer(attn, fmt, ps, q.dtype, int(forward_batch.get_max_chunk_capacity()), context_mode())
-    table = block_table(get_req_to_token_pool().req_to_token, forward_batch.req_pool_indices, max(prefix), ps)
-    meta = PrefillMetadata(table, prefix, qlens, block_size=ps)
+    # One PrefillMetadata per batch and page size, kept on the ForwardBatch: every layer
+    # shares its block table, chunk plan and device copies (PrefillMetadata caches them).
+    metas = forward_batch.__dict__.setdefault("_mla_ext_prefill_metadata", {})
+    meta = metas.get(ps)
+    if meta is None:
+        prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
+        qlens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+        table = block_table(get_req_to_token_pool().req_to_token, forward_batch.req_pool_indices, max(prefix), ps)
+        meta = metas[ps] = PrefillMetadata(table, prefix, qlens, block_size=ps)
     out = layer.forward_context(q, cache, meta, k_scale=_unit(q.device), workspace=_workspace(layer, q.device))
     for c in meta.plan(layer.workspace_rows, layer.chunk_alignment).chunks:  # choices are cached: no recompute
         STATS[layer.context_attention.choose(c, q.device).path] += 1
