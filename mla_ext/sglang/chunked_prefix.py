@@ -77,18 +77,18 @@ def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int, mode: 
     key = (fmt, page_size, dtype, rows, mode, weight.data_ptr())
     cache = attn.__dict__.setdefault("_mla_ext_prefill", {})
     if key not in cache:
-        model = MLAModelConfig(
-            name=f"sglang {type(attn).__name__} layer {attn.layer_id}", L=attn.kv_lora_rank,
-            R=attn.qk_rope_head_dim, P=attn.qk_nope_head_dim, V=attn.v_head_dim,
-            num_heads=attn.num_local_heads, num_layers=attn.layer_id + 1, model_dtype=dtype)
         try:
+            model = MLAModelConfig(
+                name=f"sglang {type(attn).__name__} layer {attn.layer_id}", L=attn.kv_lora_rank,
+                R=attn.qk_rope_head_dim, P=attn.qk_nope_head_dim, V=attn.v_head_dim,
+                num_heads=attn.num_local_heads, num_layers=attn.layer_id + 1, model_dtype=dtype)
             w = weight_format_from_module(attn.kv_b_proj, dtype, arg="kv_b_proj")
             cache.clear()  # a new format or reloaded weights replace the old layer
             cache[key] = MLAPrefill(model, CacheConfig(kv_cache_dtype=fmt, block_size=page_size), w,
                                     layer=attn.layer_id, workspace_rows_override=rows,
                                     softmax_scale=float(attn.attn_mha.scaling), context_attention=mode)
-        except ValueError as exc:
-            raise Unsupported(f"layer {attn.layer_id}: {exc}") from None
+        except ValueError as exc:  # e.g. a quantized kv_b_proj whose scale layout SGLang does not state
+            raise Unsupported(f"{type(attn.kv_b_proj).__name__} kv_b_proj or dims: {exc}") from None
     return cache[key]
 
 
@@ -116,6 +116,8 @@ def check_servable(attn, forward_batch, model_dtype: torch.dtype | None):
 
     if getattr(attn, "dcp_size", 1) > 1:
         raise Unsupported("decode context parallelism (DCP) gathers the prefix across ranks")
+    if model_dtype is not None and model_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise Unsupported(f"{model_dtype} queries (the backend's FP8 prefill)")
     _backend_reasons(forward_batch)
     return kv_cache_format(get_token_to_kv_pool(), model_dtype, attn.kv_lora_rank, attn.qk_rope_head_dim)
 
