@@ -187,3 +187,12 @@ def test_fp4_pool_is_left_to_sglang_and_said_once(sglang_run):
     warnings = sglang_run["header"]["fp4_warnings"]
     assert len(warnings) == 1 and "left to SGLang" in warnings[0], warnings
     assert sglang_run["header"]["fp4_dispatch_with"]["fa3/4000"] == "MLA"
+
+
+def test_block_fp8_kv_b_proj_is_read_as_sglang_loads_it(sglang_run):
+    """A DeepSeek FP8 checkpoint's kv_b_proj after SGLang's own loading (Fp8LinearMethod,
+    128x128 blocks): the plugin reads it as Fp8BlockWeight with the same values as
+    SGLang's block_quant_dequant."""
+    r = sglang_run["header"]["fp8_kv_b_proj"]
+    assert "error" not in r, r.get("traceback")
+    assert r["format"] == "Fp8BlockWeight" and r["vs_sglang_dequant"] == 0.0, r

@@ -66,9 +66,28 @@ def _backend_reasons(forward_batch) -> None:
         raise Unsupported("a unified KV pool (req_to_token holds virtual ids, translated per iteration)")
 
 
+def kv_b_proj_format(kv_b_proj, dtype: torch.dtype):
+    """mla_ext's WeightFormat of SGLang's kv_b_proj layer (raises ValueError when unreadable).
+
+    Block-FP8 scale layouts are stated, never guessed from shapes (mla_ext's rule
+    for serving-engine layers). The one stated here: SGLang's Fp8LinearMethod keeps
+    a 128x128-block checkpoint's ``weight_scale_inv`` as the checkpoint has it
+    (fp32 [ceil(N/128), ceil(K/128)]) unless it requantized the scales to UE8M0 for
+    DeepGEMM, which it marks with ``format_ue8m0``: "linear". Anything else is read
+    by mla_ext's detection, or refused (the layer stays with SGLang)."""
+    from mla_ext.kv_b_proj.from_module import weight_format_from_module
+
+    w, scale = kv_b_proj.weight, getattr(kv_b_proj, "weight_scale_inv", None)
+    layout = None
+    if (w.dtype == torch.float8_e4m3fn and isinstance(scale, torch.Tensor) and scale.dtype == torch.float32
+            and not getattr(scale, "format_ue8m0", False)
+            and tuple(scale.shape) == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))):
+        layout = "linear"
+    return weight_format_from_module(kv_b_proj, dtype, scale_layout=layout, arg="kv_b_proj")
+
+
 def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int, mode: str):
     """The attention module's MLAPrefill for this pool format (built once, kept on the module)."""
-    from mla_ext.kv_b_proj.from_module import weight_format_from_module
     from mla_ext.models import MLAModelConfig
     from mla_ext.policy import CacheConfig
     from mla_ext.prefill.layer import MLAPrefill
@@ -82,7 +101,7 @@ def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int, mode: 
                 name=f"sglang {type(attn).__name__} layer {attn.layer_id}", L=attn.kv_lora_rank,
                 R=attn.qk_rope_head_dim, P=attn.qk_nope_head_dim, V=attn.v_head_dim,
                 num_heads=attn.num_local_heads, num_layers=attn.layer_id + 1, model_dtype=dtype)
-            w = weight_format_from_module(attn.kv_b_proj, dtype, arg="kv_b_proj")
+            w = kv_b_proj_format(attn.kv_b_proj, dtype)
             cache.clear()  # a new format or reloaded weights replace the old layer
             cache[key] = MLAPrefill(model, CacheConfig(kv_cache_dtype=fmt, block_size=page_size), w,
                                     layer=attn.layer_id, workspace_rows_override=rows,

@@ -346,6 +346,41 @@ def dispatch_table(attn, backend) -> dict:
     return got
 
 
+def fp8_kv_b_proj_check(model_dir: Path) -> dict:
+    """SGLang's block-FP8 kv_b_proj (Fp8Config, 128x128 blocks, its own
+    process_weights_after_loading) as the plugin reads it, against SGLang's own
+    block_quant_dequant (what its DeepSeek weight loader dequantizes it with).
+    SGLang's fp8 linear itself does not run on a CPU, so this checks the format only."""
+    from transformers import AutoConfig
+
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
+    from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
+
+    from mla_ext.kv_b_proj import weights as W
+    from mla_ext.sglang.chunked_prefix import kv_b_proj_format
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    attn = DeepseekV2AttentionMLA(
+        cfg, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        rope_theta=TINY_CONFIG["rope_theta"], rope_scaling=None, max_position_embeddings=cfg.max_position_embeddings,
+        quant_config=Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128]),
+        layer_id=LAYER_ID, skip_rope=True, prefix=f"model.layers.{LAYER_ID}.self_attn")
+    kb = attn.kv_b_proj
+    dense = torch.randn(kb.weight.shape, generator=torch.Generator().manual_seed(11)) / 20
+    ckpt = W.Fp8BlockWeight.from_dense(dense)  # a checkpoint's tensors
+    with torch.no_grad():
+        kb.weight.copy_(ckpt.weight)
+        kb.weight_scale_inv.copy_(ckpt.weight_scale_inv)
+    kb.quant_method.process_weights_after_loading(kb)
+    fmt = kv_b_proj_format(kb, torch.bfloat16)
+    theirs = block_quant_dequant(kb.weight, kb.weight_scale_inv, [128, 128], torch.float32)
+    return {"format": type(fmt).__name__, "scale_shape": list(kb.weight_scale_inv.shape),
+            "vs_sglang_dequant": float((fmt.dequantize_fp32() - theirs).abs().max())}
+
+
 def main(out_path: str) -> None:
     from clients.sglang_cases import BATCHES, CONTEXT_MODES, DSA_BATCHES, FP4_BATCH, POOLS
 
@@ -451,6 +486,12 @@ def main(out_path: str) -> None:
                     rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
                 rec["seconds"] = round(time.perf_counter() - t, 3)
                 results.append(rec)
+
+        try:
+            header["fp8_kv_b_proj"] = fp8_kv_b_proj_check(model_dir)
+        except Exception as exc:
+            header["fp8_kv_b_proj"] = {"error": f"{type(exc).__name__}: {exc}",
+                                       "traceback": traceback.format_exc()[-3000:]}
 
         # 5. SGLang's FP4 pool: left to SGLang's own loop, said once (two calls, one warning).
         said = []
