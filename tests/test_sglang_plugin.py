@@ -8,8 +8,13 @@
    with pip's reason when that cannot be done), one subprocess
    (tests/clients/sglang_chunked_prefix.py) runs ``forward_normal_chunked_kv_core``
    of SGLang's ``DeepseekV2AttentionMLA`` on SGLang's own pools and ForwardBatch,
-   first as SGLang ships it, then after SGLang's ``load_plugins`` loaded mla_ext;
-   every (pool, batch) is checked here against the float64 oracle (SPEC §9).
+   first as SGLang ships it, then after SGLang's ``load_plugins`` loaded mla_ext
+   (context chunks by mla_ext's cost model, and forced up-projected); every
+   (pool, batch, mode) is checked here against the float64 oracle (SPEC §9).
+   Also: the fa3/flashinfer/flashmla/triton handler choices without and with the
+   plugin, the DSA fp8 pool read as fp8_ds_mla (vs SGLang's own dequantizer), the
+   FP4 pool left to SGLang with one warning, SGLang's block-FP8 kv_b_proj read as
+   Fp8BlockWeight (vs SGLang's block_quant_dequant).
 """
 from __future__ import annotations
 

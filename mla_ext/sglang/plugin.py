@@ -88,7 +88,3 @@ def register() -> None:
         _registered = True
     logger.info("mla_ext: SGLang's DeepSeek chunked-prefix prefill and the fa3/flashinfer/flashmla "
                 "absorbed-vs-MHA choice go to mla_ext")
-
-
-def registered() -> bool:
-    return _registered
