@@ -137,8 +137,11 @@ setup(
     install_requires=["torch>=2.11", "numpy"],
     # vLLM loads general plugins in every process; mla_ext's registers the
     # MLA_EXT prefill backend and changes nothing unless it is selected
-    # (mla_ext/vllm/plugin.py).
-    entry_points={"vllm.general_plugins": ["mla_ext = mla_ext.vllm.plugin:register"]},
+    # (mla_ext/vllm/plugin.py). SGLang loads sglang.srt.plugins likewise; mla_ext's
+    # hooks nothing unless MLA_EXT_SGLANG=1 or SGLANG_PLUGINS names it
+    # (mla_ext/sglang/plugin.py).
+    entry_points={"vllm.general_plugins": ["mla_ext = mla_ext.vllm.plugin:register"],
+                  "sglang.srt.plugins": ["mla_ext = mla_ext.sglang.plugin:register"]},
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),
     zip_safe=False,

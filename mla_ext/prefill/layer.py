@@ -543,6 +543,72 @@ class MLAPrefill:
             cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
             cache_checks.check_block_ids(bt, cu, len(lens), None, kv_cache.shape[0], B)
 
+    def _context(self, q: Tensor, kv_cache: Tensor, metadata: PrefillMetadata, k_scale, workspace, scratch,
+                 tick, **reads: Tensor) -> tuple[Tensor, Tensor]:
+        """Every query against its request's cached context, chunk by chunk: (o [T, N, V]
+        in q's dtype, natural-log LSE [N, T] fp32); (0, -inf) where a request has none.
+        `reads`: further inputs the caller still reads (kept disjoint from the workspace)."""
+        m = self.model
+        T = metadata.num_tokens
+        device, dtype = q.device, q.dtype
+        plan = metadata.plan(self.workspace_rows, self.chunk_alignment)
+        acc_o = torch.zeros(T, m.num_heads, m.V, dtype=dtype, device=device)
+        acc_lse = torch.full((m.num_heads, T), float("-inf"), dtype=torch.float32, device=device)
+        if plan.chunks:
+            workspace = self._workspace(workspace, device, q=q, kv_cache=kv_cache, **reads)
+            scale = self._k_scale(k_scale if k_scale is not None else metadata.k_scale, device)
+            for c in plan.chunks:
+                t = metadata.chunk_tensors(c, device)
+                if self.context_attention.choose(c, device).path == "absorbed":
+                    qs = slice(c.token_start, c.token_end)
+                    o, lse = self.context_attention.run(self, q[qs], kv_cache, workspace, metadata, c, t,
+                                                        scale, tick)
+                    merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
+                                      out=acc_o[qs], out_lse=acc_lse[:, qs])
+                    tick("merge")
+                    continue
+                rows = c.total_rows
+                self._gather(kv_cache, workspace, metadata, c, t, scale)
+                tick("gather")
+                ck_nope, cv = self._up_project(workspace[:rows, : m.L])
+                tick("kv_b_proj")
+                ck_nope, ck_rope = self._keys(ck_nope, workspace[:rows, m.L :], dtype)
+                tick("keys")
+                qs = slice(c.token_start, c.token_end)
+                o, lse = varlen_attention(q[qs], ck_nope, cv.to(dtype), t.cu_seqlens_q, t.cu_seq_lens,
+                                          c.max_query_len, c.max_seq_len, self.softmax_scale,
+                                          causal=False, k_rope=ck_rope, scratch=scratch)
+                tick("attention")
+                merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
+                                  out=acc_o[qs], out_lse=acc_lse[:, qs])
+                tick("merge")
+
+        return acc_o, acc_lse
+
+    def forward_context(self, q: Tensor, kv_cache: Tensor, metadata: PrefillMetadata, *,
+                        k_scale: Tensor | None = None, workspace: Tensor | None = None,
+                        validate: bool | None = None) -> tuple[Tensor, Tensor]:
+        """The context half of `forward` alone, for an engine that attends the new
+        tokens itself and merges: q [T, N, P+R] -> (o [T, N, V], LSE [N, T] fp32,
+        natural log). Same cache, metadata, k_scale, workspace and validate rules as
+        `forward`; each chunk goes absorbed or up-projected by the layer's
+        `context_attention` choice."""
+        validate = check_bool(validate, "validate", allow_none=True)
+        self._check_types(q, q, q, kv_cache, metadata, None, k_scale)
+        m = self.model
+        T = metadata.num_tokens
+        if q.dim() != 3 or tuple(q.shape) != (T, m.num_heads, m.P + m.R):
+            raise ValueError(f"q: expected [{T}, {m.num_heads}, {m.P + m.R}], got {tuple(q.shape)}")
+        if q.dtype != m.model_dtype:
+            raise ValueError(f"q: expected the model dtype {m.model_dtype}, got {q.dtype}")
+        for name, x in (("kv_cache", kv_cache), ("metadata.block_table", metadata.block_table)):
+            if x.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device} (as q), got {x.device}")
+        self.check_cache(kv_cache)
+        self._check_table(metadata, kv_cache, self.validate if validate is None else validate)
+        return self._context(q, kv_cache, metadata, k_scale, workspace, self._attention_scratch(q.device),
+                             _no_clock)
+
     def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
                 metadata: PrefillMetadata, clock=None, *, k_scale: Tensor | None = None,
                 workspace: Tensor | None = None, validate: bool | None = None,
@@ -612,38 +678,8 @@ class MLAPrefill:
         tick("attention")
 
         # 2. Context, chunk by chunk, merged into (0, -inf).
-        plan = metadata.plan(self.workspace_rows, self.chunk_alignment)
-        acc_o = torch.zeros(T, m.num_heads, m.V, dtype=dtype, device=device)
-        acc_lse = torch.full((m.num_heads, T), float("-inf"), dtype=torch.float32, device=device)
-        if plan.chunks:
-            workspace = self._workspace(workspace, device, q=q, kv_c_normed=kv_c_normed, k_pe=k_pe,
-                                        kv_cache=kv_cache)
-            scale = self._k_scale(k_scale if k_scale is not None else metadata.k_scale, device)
-            for c in plan.chunks:
-                t = metadata.chunk_tensors(c, device)
-                if self.context_attention.choose(c, device).path == "absorbed":
-                    qs = slice(c.token_start, c.token_end)
-                    o, lse = self.context_attention.run(self, q[qs], kv_cache, workspace, metadata, c, t,
-                                                        scale, tick)
-                    merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
-                                      out=acc_o[qs], out_lse=acc_lse[:, qs])
-                    tick("merge")
-                    continue
-                rows = c.total_rows
-                self._gather(kv_cache, workspace, metadata, c, t, scale)
-                tick("gather")
-                ck_nope, cv = self._up_project(workspace[:rows, : m.L])
-                tick("kv_b_proj")
-                ck_nope, ck_rope = self._keys(ck_nope, workspace[:rows, m.L :], dtype)
-                tick("keys")
-                qs = slice(c.token_start, c.token_end)
-                o, lse = varlen_attention(q[qs], ck_nope, cv.to(dtype), t.cu_seqlens_q, t.cu_seq_lens,
-                                          c.max_query_len, c.max_seq_len, self.softmax_scale,
-                                          causal=False, k_rope=ck_rope, scratch=scratch)
-                tick("attention")
-                merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
-                                  out=acc_o[qs], out_lse=acc_lse[:, qs])
-                tick("merge")
+        acc_o, acc_lse = self._context(q, kv_cache, metadata, k_scale, workspace, scratch, tick,
+                                       kv_c_normed=kv_c_normed, k_pe=k_pe)
 
         # 3. Context result merged with the new-token result.
         out, _ = merge_attn_states(acc_o, acc_lse, o_new, lse_new)

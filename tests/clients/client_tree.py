@@ -51,7 +51,23 @@ VLLM = ClientSpec(
           "fastapi>=0.133,<0.137", "starlette", "partial-json-parser", "llguidance>=1.7,<1.8", "einops"),
 )
 
-CLIENTS = {"vllm": VLLM}
+# SGLang 0.5.23: what `import sglang.srt.models.deepseek_v2` (with ServerArgs, the
+# MLA KV pool, ForwardBatch and the plugin loader) pulls in beyond the venv on a
+# CPU machine, where is_cuda() is false and sgl_kernel/flashinfer/deep_gemm are
+# never imported.
+SGLANG = ClientSpec(
+    wheel="sglang==0.5.23",
+    package="sglang",
+    deps=("aiohappyeyeballs", "aiohttp", "aiosignal", "apache-tvm-ffi==0.1.11", "attrs", "certifi",
+          "charset-normalizer", "compressed-tensors", "dill", "einops", "frozenlist", "gguf", "ipython",
+          "loguru", "msgspec", "multidict", "openai", "orjson", "partial-json-parser", "propcache", "psutil",
+          "pybase64", "pyzmq", "requests", "sentencepiece", "sniffio", "starlette", "traitlets", "urllib3",
+          "yarl"),
+    # sglang.kernels.jit checks at import that its C++ source folders (include/, csrc/) exist.
+    keep_suffixes=ClientSpec.keep_suffixes + (".h", ".cuh", ".cu", ".cpp", ".hpp", ".cc"),
+)
+
+CLIENTS = {"vllm": VLLM, "sglang": SGLANG}
 
 
 def cache_root() -> Path:
