@@ -1,0 +1,105 @@
+"""The DSA indexer key cache (mla_ext/sparse/index_cache.py): page sizes, vLLM's fp8 byte layout,
+writer and gathers, and agreement with csrc/common/indexer_cache_layout.h."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_ext.sparse import index_cache as ic
+from sparse_cache_data import paged_layout
+
+HEADER = Path(__file__).resolve().parents[1] / "csrc" / "common" / "indexer_cache_layout.h"
+
+
+def test_page_bytes_and_shapes():
+    bf, f8 = ic.get_index_format("bf16"), ic.get_index_format("fp8")
+    assert bf.page_bytes(64, 128) == 16384 and f8.page_bytes(64, 128, 128) == 64 * 132
+    assert f8.bytes_per_token(128, 64) == 136 and f8.cache_shape(3, 16, 128) == (3, 16, 132)
+    assert bf.cache_shape(3, 16, 128) == (3, 16, 128) and bf.storage_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="index_cache_dtype"):
+        ic.get_index_format("fp4")
+    with pytest.raises(ValueError, match="quant_block_size"):
+        f8.bytes_per_token(128, 48)
+
+
+def test_header_agrees():
+    text = HEADER.read_text()
+    assert "2 * head_dim" in text and "head_dim + 4 * (head_dim / quant_block_size)" in text
+    assert re.search(r"kE4M3Max = 448\.0f", text) and re.search(r"kMinScale = 1e-4f", text)
+    assert ic.E4M3_MAX == 448.0 and ic.MIN_SCALE == 1e-4
+    assert "bytes_per_token(IndexFormat::kFp8, 128, 128) == 132" in text
+    assert ic.get_index_format("fp8").bytes_per_token(128, 128) == 132
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_write_then_gather(fmt, scale_fmt):
+    if fmt == "bfloat16" and scale_fmt:
+        pytest.skip("no scales")
+    D, B, lens = 32, 8, [13, 0, 21]
+    table, nb, slots = paged_layout(lens, B, seed=3)
+    cache = ic.get_index_format(fmt).empty(nb, B, D, 16).fill_(0x7F if fmt == "fp8" else 0)
+    keys = [torch.randn(n, D) * (1 + r) for r, n in enumerate(lens)]
+    slot = torch.cat(slots)
+    ic.write_index_cache(torch.cat(keys), cache, slot, fmt, quant_block_size=16, scale_fmt=scale_fmt)
+    before = cache.clone()
+    ic.write_index_cache(torch.randn(1, D), cache, torch.tensor([-1]), fmt, quant_block_size=16)  # skipped slot
+    assert torch.equal(before, cache)
+    cu = torch.tensor([0, 13, 13, 34], dtype=torch.int32)
+    got = ic.gather_index_keys(cache, table, cu, fmt, head_dim=D)
+    want = torch.cat(keys)
+    if fmt == "bfloat16":
+        assert torch.equal(got, want.to(torch.bfloat16).float())
+    else:
+        v, s = ic.quantize_fp8_rows(want, 16, scale_fmt)
+        assert torch.equal(got, ic.dequantize_fp8_rows(v, s))
+        assert ((got - want).abs() <= want.abs() / 16 + 1e-3).all()  # e4m3: 3 mantissa bits
+        if scale_fmt == "ue8m0":
+            assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+    # a chunk with seq_starts
+    part = ic.gather_index_keys(cache, table[2:], torch.tensor([0, 9], dtype=torch.int32), fmt,
+                                seq_starts=torch.tensor([7], dtype=torch.int32), head_dim=D)
+    assert torch.equal(part, got[13 + 7:13 + 16])
+
+
+def test_fp8_byte_layout_is_vllms():
+    """Token j of a page: values at page byte j*D, its D/Q fp32 scales at B*D + 4*j*(D/Q)."""
+    D, B, Q = 16, 4, 8
+    cache = torch.zeros(2, B, D + 4 * D // Q, dtype=torch.uint8)
+    k = torch.randn(3, D)
+    ic.indexer_k_quant_and_cache(k, cache, torch.tensor([5, 0, 7]), Q, None)  # vLLM's op name
+    v, s = ic.quantize_fp8_rows(k, Q)
+    page = cache[1].reshape(-1)
+    assert torch.equal(page[1 * D:2 * D], v[0])  # slot 5 = block 1, offset 1
+    assert torch.equal(page[B * D + 4 * 2: B * D + 4 * 4].view(torch.float32), s[0])
+    page3 = cache[1].reshape(-1)
+    assert torch.equal(page3[3 * D:4 * D], v[2])
+    dst_k, dst_s = torch.empty(2, D, dtype=torch.uint8), torch.empty(2, 4 * D // Q, dtype=torch.uint8)
+    ic.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_s, torch.tensor([[0, 1]], dtype=torch.int32),
+                                       torch.tensor([0, 2], dtype=torch.int32))
+    assert torch.equal(dst_k[0], v[1]) and torch.equal(dst_s[0].view(torch.float32), s[1])
+
+
+def test_strided_pages_and_errors():
+    D, B = 16, 4
+    big = torch.zeros(3, 2, B, D + 4, dtype=torch.uint8)
+    cache = big[:, 1]  # every other page of a cross-layer buffer
+    k = torch.randn(2, D)
+    ic.write_index_cache(k, cache, torch.tensor([9, 2]), "fp8")
+    assert big[:, 0].eq(0).all()
+    got = ic.gather_index_keys(cache, torch.tensor([[0, 2]], dtype=torch.int32),
+                               torch.tensor([0, 2], dtype=torch.int32), "fp8", seq_starts=torch.tensor(
+                                   [2], dtype=torch.int32), head_dim=D)
+    v, s = ic.quantize_fp8_rows(k[[1]], D)
+    assert torch.equal(got[0], ic.dequantize_fp8_rows(v, s)[0])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ic.write_index_cache(k, cache, torch.tensor([99, 0]), "fp8")
+    with pytest.raises(ValueError, match="block ids"):
+        ic.gather_index_keys(cache, torch.tensor([[7]], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                             "fp8", head_dim=D)
+    with pytest.raises(ValueError, match="index cache"):
+        ic.gather_index_keys(cache.view(torch.int8), torch.tensor([[0]], dtype=torch.int32),
+                             torch.tensor([0, 1], dtype=torch.int32), "fp8", head_dim=D)
+    with pytest.raises(ValueError, match="head_dim"):
+        ic.write_index_cache(torch.randn(2, 8), cache, torch.tensor([0, 1]), "fp8")
