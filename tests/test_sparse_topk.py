@@ -78,3 +78,28 @@ def test_no_context_and_errors():
         indexer_topk(q, w, k_new[:2], None, None, [3], [0], 2)
     with pytest.raises(ValueError, match="out"):
         indexer_topk(q, w, k_new, None, None, [3], [0], 2, out=torch.empty(3, 2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+def test_triton_scorer_under_the_interpreter(fmt):
+    q, w, k_new, cache, table, keys = _batch(fmt, seed=2)
+    got = indexer_topk(q, w, k_new, cache, table, Q_LENS, CTX_LENS, 16, index_cache_dtype=fmt, chunk=40,
+                       query_block=16, backend="triton")
+    want = ref.select_reference(q, keys, w, Q_LENS, CTX_LENS, 16)
+    scores = torch.cat([torch.nn.functional.pad(s, (0, 64 - s.shape[1]), value=float("-inf"))
+                        for s in ref.indexer_scores_reference(q, keys, w, Q_LENS, CTX_LENS)])
+    assert tie_equivalent(got, want, scores, rtol=1e-5) == []
+
+
+def test_triton_scores_equal_the_reference_scores():
+    from mla_ext.sparse.triton_indexer import score_range_triton
+
+    q, w, k_new, cache, table, keys = _batch("fp8", seed=4)
+    r, c, qn, q0 = 2, CTX_LENS[2], Q_LENS[2], sum(Q_LENS[:2])
+    out = torch.full((qn, 34), float("nan"))
+    score_range_triton(q[q0:q0 + qn], w[q0:q0 + qn], cache, True, table[r], k_new[q0:q0 + qn], c, 30, 64, c, D,
+                       out=out)
+    want = ref.indexer_scores_reference(q[q0:q0 + qn], [keys[r]], w[q0:q0 + qn], [qn], [c])[0][:, 30:64]
+    assert torch.equal(torch.isinf(out), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert torch.allclose(out[fin].double(), want[fin], rtol=1e-5, atol=1e-5)

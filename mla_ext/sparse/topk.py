@@ -15,8 +15,6 @@ keeps it with a stable descending sort of [running | chunk]: running entries com
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor
 
@@ -57,10 +55,14 @@ def indexer_topk(
     chunk: int = DEFAULT_CHUNK,
     query_block: int = DEFAULT_QUERY_BLOCK,
     compute_dtype: torch.dtype = torch.float32,
-    scorer: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+    backend: str = "torch",
     out: Tensor | None = None,
 ) -> Tensor:
-    """int32 [T, topk] selected positions per new token (request-local index space, -1 padded)."""
+    """int32 [T, topk] selected positions per new token (request-local index space, -1 padded).
+
+    backend "torch": each chunk's context keys are gathered (dequantized) into a [chunk, D]
+    workspace and scored with einsum in `compute_dtype`; "triton": mla_ext/sparse/triton_indexer.py
+    scores the chunk reading the paged cache directly (fp32 scores)."""
     T = q_idx.shape[0]
     check_lens(T, q_lens, ctx_lens)
     if q_idx.dim() != 3 or w.shape != q_idx.shape[:2] or k_new.shape != (T, q_idx.shape[2]):
@@ -74,7 +76,19 @@ def indexer_topk(
         raise ValueError("index_cache / block_table: required when a request has context")
     D = q_idx.shape[2]
     dev = q_idx.device
-    score = scorer or score_chunk_torch
+    if backend == "triton":
+        from mla_ext.sparse import triton_indexer
+
+        why = triton_indexer.not_supported_reasons(q_idx)
+        if why:
+            raise ValueError(f"backend: 'triton' cannot run here: {'; '.join(why)}")
+        if fmt.quantized and index_cache is not None:
+            S = (index_cache.shape[2] - D) // 4
+            qbs = D // max(S, 1)
+        else:
+            qbs = D
+    elif backend != "torch":
+        raise ValueError(f"backend: expected 'torch' or 'triton', got {backend!r}")
     if out is None:
         out = torch.empty(T, topk, dtype=torch.int32, device=dev)
     elif out.shape != (T, topk) or out.dtype != torch.int32:
@@ -92,8 +106,14 @@ def indexer_topk(
             end = c + b0 + m  # keys visible to the block: [0, end)
             for p0 in range(0, end, chunk):
                 p1 = min(end, p0 + chunk)
-                keys = _keys(index_cache, block_table, r, c, p0, p1, kn_all[start:start + qn], fmt, D, dev)
-                s = score(q, wr, keys).to(compute_dtype)
+                if backend == "triton":
+                    s = triton_indexer.score_range_triton(
+                        q_idx[rows], w[rows], index_cache, fmt.quantized,
+                        None if block_table is None else block_table[r], k_new[start:start + qn], c, p0, p1,
+                        c + b0, qbs).to(compute_dtype)
+                else:
+                    keys = _keys(index_cache, block_table, r, c, p0, p1, kn_all[start:start + qn], fmt, D, dev)
+                    s = score_chunk_torch(q, wr, keys).to(compute_dtype)
                 s = s.masked_fill(torch.arange(p0, p1, device=dev)[None, :] > qpos[:, None], float("-inf"))
                 vals, idx = merge_topk(vals, idx, s, p0, topk)
             idx = torch.where(vals == float("-inf"), torch.full_like(idx, PAD), idx)
