@@ -16,13 +16,13 @@ FAMILIES = {
 
 
 def tiny_model(family: str, *, topk: int = 16, seed: int = 0, dtype=torch.float32, index_heads: int = 4,
-               L: int = 32, R: int = 8, P: int = 16, V: int = 16, heads: int = 4):
+               L: int = 32, R: int = 8, P: int = 16, V: int = 16, heads: int = 4, index_dim: int = 16):
     mod = importlib.import_module(f"transformers.models.{family}")
     cfg_cls, model_cls = (getattr(mod, n) for n in FAMILIES[family])
     kw = dict(vocab_size=32, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
               num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=heads,
               q_lora_rank=24, kv_lora_rank=L, qk_rope_head_dim=R, qk_nope_head_dim=P, v_head_dim=V,
-              index_topk=topk, index_n_heads=index_heads, index_head_dim=16,
+              index_topk=topk, index_n_heads=index_heads, index_head_dim=index_dim,
               n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
               max_position_embeddings=4096, attn_implementation="eager")
     torch.manual_seed(seed)
@@ -129,4 +129,4 @@ def tie_equivalent(selected: torch.Tensor, theirs: torch.Tensor, scores: torch.T
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.to(torch.float64), b.to(torch.float64)
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+    return float((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-300))

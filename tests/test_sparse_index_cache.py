@@ -25,17 +25,18 @@ def test_page_bytes_and_shapes():
 
 def test_header_agrees():
     text = HEADER.read_text()
-    assert "2 * head_dim" in text and "head_dim + 4 * (head_dim / quant_block_size)" in text
+    assert "? 2 * head_dim" in text and "? 4 * head_dim" in text and ic.get_index_format("fp32").bytes_per_token(8) == 32
+    assert "head_dim + 4 * (head_dim / quant_block_size)" in text
     assert re.search(r"kE4M3Max = 448\.0f", text) and re.search(r"kMinScale = 1e-4f", text)
     assert ic.E4M3_MAX == 448.0 and ic.MIN_SCALE == 1e-4
     assert "bytes_per_token(IndexFormat::kFp8, 128, 128) == 132" in text
     assert ic.get_index_format("fp8").bytes_per_token(128, 128) == 132
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "float32", "fp8"])
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 def test_write_then_gather(fmt, scale_fmt):
-    if fmt == "bfloat16" and scale_fmt:
+    if fmt != "fp8" and scale_fmt:
         pytest.skip("no scales")
     D, B, lens = 32, 8, [13, 0, 21]
     table, nb, slots = paged_layout(lens, B, seed=3)
@@ -49,8 +50,8 @@ def test_write_then_gather(fmt, scale_fmt):
     cu = torch.tensor([0, 13, 13, 34], dtype=torch.int32)
     got = ic.gather_index_keys(cache, table, cu, fmt, head_dim=D)
     want = torch.cat(keys)
-    if fmt == "bfloat16":
-        assert torch.equal(got, want.to(torch.bfloat16).float())
+    if fmt != "fp8":
+        assert torch.equal(got, want.to(ic.get_index_format(fmt).native_dtype).float())
     else:
         v, s = ic.quantize_fp8_rows(want, 16, scale_fmt)
         assert torch.equal(got, ic.dequantize_fp8_rows(v, s))

@@ -3,6 +3,7 @@
 // header and checks both agree).
 //
 //   bfloat16: [num_blocks, B, D] bf16, 2*D bytes per token.
+//   float32:  [num_blocks, B, D] fp32, 4*D bytes per token.
 //   fp8 (vLLM's indexer_k_quant_and_cache layout): a page of B tokens holds first their
 //     e4m3 values token-major (B*D bytes), then their fp32 scales (D/Q per token,
 //     token-major); D + 4*D/Q bytes per token. scale = max(amax over Q values, 1e-4) / 448,
@@ -12,13 +13,15 @@
 namespace mla_ext {
 namespace indexer_cache {
 
-enum class IndexFormat : int { kBf16 = 0, kFp8 = 1 };
+enum class IndexFormat : int { kBf16 = 0, kFp8 = 1, kFp32 = 2 };
 
 constexpr float kE4M3Max = 448.0f;
 constexpr float kMinScale = 1e-4f;
 
 constexpr int bytes_per_token(IndexFormat f, int head_dim, int quant_block_size) {
-  return f == IndexFormat::kBf16 ? 2 * head_dim : head_dim + 4 * (head_dim / quant_block_size);
+  return f == IndexFormat::kBf16   ? 2 * head_dim
+         : f == IndexFormat::kFp32 ? 4 * head_dim
+                                   : head_dim + 4 * (head_dim / quant_block_size);
 }
 
 constexpr long long page_bytes(IndexFormat f, int block_size, int head_dim, int quant_block_size) {

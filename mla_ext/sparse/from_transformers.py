@@ -68,6 +68,25 @@ class IndexerParams:
                    n_heads=int(ix.n_heads), head_dim=int(ix.head_dim), rope_dim=int(ix.qk_rope_head_dim),
                    topk=int(ix.index_topk), rope_interleaved=INDEXER_ROPE_INTERLEAVED[kind])
 
+    @classmethod
+    def from_state_dict(cls, state: dict, prefix: str, config, rope_interleaved: bool) -> "IndexerParams":
+        """From checkpoint tensors named `{prefix}wq_b.weight`, `wk.weight`, `k_norm.weight`,
+        `k_norm.bias` (optional), `weights_proj.weight` (transformers' and DeepSeek's names, e.g.
+        prefix 'model.layers.3.self_attn.indexer.'), dims from the model config (dict or object)."""
+        raw = config if isinstance(config, dict) else config.to_dict()
+
+        def get(name, required=True):
+            t = state.get(prefix + name)
+            if t is None and required:
+                raise ValueError(f"state: missing {prefix + name!r}")
+            return t
+
+        return cls(wq_b=get("wq_b.weight"), wk=get("wk.weight"), k_norm_weight=get("k_norm.weight"),
+                   k_norm_bias=get("k_norm.bias", False), k_norm_eps=float(raw.get("index_norm_eps", 1e-6)),
+                   weights_proj=get("weights_proj.weight"), n_heads=int(raw["index_n_heads"]),
+                   head_dim=int(raw["index_head_dim"]), rope_dim=int(raw["qk_rope_head_dim"]),
+                   topk=int(raw["index_topk"]), rope_interleaved=bool(rope_interleaved))
+
     def keys(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """k_I [T, D] float64: LayerNorm(wk(hidden)), RoPE on its first rope_dim dims."""
         f = torch.float64

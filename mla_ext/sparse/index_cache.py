@@ -5,6 +5,8 @@ published configs) beside its latent row. Two formats (mirror of
 csrc/common/indexer_cache_layout.h; tests/test_sparse_index_cache.py checks both agree):
 
   bfloat16  cache [num_blocks, B, D] bf16; 2*D bytes per token.
+  float32   cache [num_blocks, B, D] fp32; 4*D bytes per token (fp32 models; the exact-parity tests:
+            transformers scores in fp32).
   fp8       vLLM 0.33's `indexer_k_quant_and_cache` layout: cache [num_blocks, B, D + 4*D/Q]
             uint8 (Q = quant_block_size, D in the published configs: one scale per token);
             a page holds first the B tokens' e4m3 values token-major (B*D bytes), then their
@@ -33,11 +35,12 @@ MIN_SCALE = 1e-4
 class IndexCacheFormat:
     name: str
     quantized: bool
+    native_dtype: torch.dtype = torch.bfloat16
 
     def bytes_per_token(self, head_dim: int, quant_block_size: int | None = None) -> int:
         _check_dims(head_dim, quant_block_size if self.quantized else None)
         if not self.quantized:
-            return 2 * head_dim
+            return self.native_dtype.itemsize * head_dim
         return head_dim + 4 * (head_dim // (quant_block_size or head_dim))
 
     def page_bytes(self, block_size: int, head_dim: int, quant_block_size: int | None = None) -> int:
@@ -51,7 +54,7 @@ class IndexCacheFormat:
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.quantized else torch.bfloat16
+        return torch.uint8 if self.quantized else self.native_dtype
 
     def empty(self, num_blocks: int, block_size: int, head_dim: int, quant_block_size: int | None = None,
               device=None) -> Tensor:
@@ -59,8 +62,9 @@ class IndexCacheFormat:
                            dtype=self.storage_dtype, device=device)
 
 
-FORMATS = {"bfloat16": IndexCacheFormat("bfloat16", False), "fp8": IndexCacheFormat("fp8", True)}
-ALIASES = {"bf16": "bfloat16", "auto": "bfloat16", "fp8_e4m3": "fp8"}
+FORMATS = {"bfloat16": IndexCacheFormat("bfloat16", False), "float32": IndexCacheFormat("float32", False, torch.float32),
+           "fp8": IndexCacheFormat("fp8", True)}
+ALIASES = {"bf16": "bfloat16", "auto": "bfloat16", "fp32": "float32", "fp8_e4m3": "fp8"}
 
 
 def get_index_format(name) -> IndexCacheFormat:
@@ -147,7 +151,7 @@ def write_index_cache(k: Tensor, cache: Tensor, slot_mapping: Tensor, index_cach
     blk, off = (slots[keep] // B).to(cache.device), (slots[keep] % B).to(cache.device)
     rows = k[keep.to(k.device)]
     if not fmt.quantized:
-        cache[blk, off] = rows.to(torch.bfloat16)
+        cache[blk, off] = rows.to(fmt.native_dtype)
         return
     Q = quant_block_size or D // S
     if Q * S != D:

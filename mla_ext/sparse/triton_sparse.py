@@ -132,13 +132,26 @@ if triton is not None:
         tl.store(lse_ptr + heads * lse_sh + t, lse, mask=h_mask)
 
 
-def launch_config(N: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages): the absorbed kernel's tiles (its BLOCK_M rows
-    are heads here), which were checked for shared memory on sm_86 / sm_90 at L = 512."""
+# GPU tiles (BLOCK_H, BLOCK_N, num_warps, num_stages), from ptxas -v at L = 512, R = 64 (triton 3.8;
+# tests/test_sparse_aot.py compiles every one and fails on any spill): the absorbed kernel's tiles
+# for 16-bit queries and the fp8 / ds_mla / native decoders; nvfp4's decoder needs 16 x 16 on
+# 8 warps (32 x 16 spilled 440 B on sm_86, 16 x 32 124 B on sm_90a); fp32 on sm_90a 4 warps
+# (8 spilled 16 B).
+def _gpu_config(fp32: bool, sm90: bool, mode: int) -> tuple[int, int, int, int]:
+    if mode == TL.MODE_NVFP4_DS_MLA:
+        return (16, 16, 8, 1)
+    if fp32:
+        return (16, 16, 4 if sm90 else 8, 1)
+    return TL.GPU_CONFIGS[(False, sm90)]
+
+
+def launch_config(N: int, dtype: torch.dtype, device: torch.device, mode: int = TL.MODE_NATIVE
+                  ) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages); heads are the dot's M rows."""
     if TL.interpreting() or device.type != "cuda":
         return max(16, min(64, triton.next_power_of_2(max(N, 1)))), 64, 4, 1
     sm90 = torch.cuda.get_device_capability(device) >= (9, 0)
-    return TL.GPU_CONFIGS[(dtype == torch.float32, sm90)]
+    return _gpu_config(dtype == torch.float32, sm90, mode)
 
 
 def sparse_latent_attention_triton(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, indices, tok_req, ctx_lens,
@@ -156,7 +169,7 @@ def sparse_latent_attention_triton(q_lat, q_pe, kv_cache, kv_cache_dtype, block_
     bt = TL._i32(block_table)
     if bt.shape[1] == 0:
         bt = torch.full((bt.shape[0], 1), -1, dtype=torch.int32, device=q_lat.device)
-    bh, bn, warps, stages = launch_config(N, q_lat.dtype, q_lat.device)
+    bh, bn, warps, stages = launch_config(N, q_lat.dtype, q_lat.device, mode)
     lowp = (not TL.interpreting()) and q_lat.dtype in (torch.bfloat16, torch.float16)
     idx = TL._i32(indices)
     grid = (T, triton.cdiv(N, bh))
