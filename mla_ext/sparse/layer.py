@@ -89,6 +89,15 @@ class IndexInputs:
     cache: Tensor | None  # [num_blocks, B, D or D + 4D/Q] in SparseConfig.index_cache_dtype
 
 
+def indexer_backend(q: Tensor) -> str:
+    """The indexer's scorer: Triton on CUDA (reads the paged index cache directly), torch elsewhere."""
+    if q.device.type != "cuda":
+        return "torch"
+    from mla_ext.sparse import triton_indexer
+
+    return "torch" if triton_indexer.not_supported_reasons(q) else "triton"
+
+
 def sparse_forward(layer, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor, metadata,
                    index: IndexInputs, k_scale: Tensor | None) -> Tensor:
     """[T, N, V]: the sparse layer's output (arguments already checked by MLAPrefill.forward)."""
@@ -104,7 +113,7 @@ def sparse_forward(layer, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache
                          f"{tuple(index.q.shape)}, {tuple(index.weights.shape)}, {tuple(index.k.shape)}")
     ctx, qls = list(metadata.context_lens), list(metadata.query_lens)
     sel = indexer_topk(index.q, index.weights, index.k, index.cache, metadata.block_table, qls, ctx, cfg.index_topk,
-                       index_cache_dtype=cfg.index_cache_dtype, chunk=cfg.chunk)
+                       index_cache_dtype=cfg.index_cache_dtype, chunk=cfg.chunk, backend=indexer_backend(index.q))
     w_uk, w_uv_t = absorbed_weights(layer.kv_b_proj, m.num_heads, m.P, m.V, q.dtype, dev)
     q_lat = absorb_queries(q[..., :m.P], w_uk)
     scale = layer._k_scale(k_scale if k_scale is not None else metadata.k_scale, dev)
