@@ -104,3 +104,37 @@ def test_strided_pages_and_errors():
                              torch.tensor([0, 1], dtype=torch.int32), "fp8", head_dim=D)
     with pytest.raises(ValueError, match="head_dim"):
         ic.write_index_cache(torch.randn(2, 8), cache, torch.tensor([0, 1]), "fp8")
+
+
+def test_planner_puts_index_pages_beside_the_latent_pages():
+    from mla_ext.models import get_model_config
+    from mla_ext.planner import plan_pool
+    from mla_ext.policy import CacheConfig, resolve_model
+
+    m = get_model_config("deepseek-v3")
+    specs = resolve_model(CacheConfig("fp8_ds_mla", block_size=64), m)
+    ispecs = [ic.IndexCacheSpec(s.layer_index, "fp8", 128, 64, 128) for s in specs]
+    budget = 3 << 30
+    plan = plan_pool(specs, budget, index_specs=ispecs)
+    dense = plan_pool(specs, budget)
+    assert ispecs[0].page_bytes() == 64 * 132 and plan.layers[0].page_bytes == 41_984
+    assert plan.num_blocks == budget // (len(specs) * (41_984 + 8_448)) or \
+        plan.num_blocks == budget // (len(specs) * (41_984 + 8_448)) - 1
+    assert plan.num_blocks < dense.num_blocks and plan.bytes_used <= budget
+    assert len(plan.index_layers) == len(specs) and plan.index_layers[0].shape == (plan.num_blocks, 64, 132)
+    assert plan.index_layers[0].offset >= plan.layers[-1].offset + plan.layers[-1].bytes
+    assert "index_layers" in plan.to_dict() and "index_layers" not in dense.to_dict()
+    assert "index cache:     layers 0-60: index fp8, 132 B/token" in plan.format_table()
+    small = plan_pool(specs[:2], 1 << 22, index_specs=ispecs[:2])
+    lat, idx = small.allocate_all(shared=True)
+    assert [t.shape for t in idx] == [(small.num_blocks, 64, 132)] * 2 and idx[0].dtype == torch.uint8
+    for t in lat:
+        t.view(torch.uint8).zero_()
+    idx[0].fill_(7)
+    idx[1].fill_(9)  # separate regions: writing the index caches leaves the latent ones and each other alone
+    assert all(t.view(torch.uint8).eq(0).all() for t in lat) and idx[0].eq(7).all()
+    assert idx[0].data_ptr() != idx[1].data_ptr() and lat[1].data_ptr() < idx[0].data_ptr()
+    with pytest.raises(ValueError, match="index_specs"):
+        plan_pool(specs, budget, index_specs=[ic.IndexCacheSpec(999, "fp8", 128, 64, 128)])
+    with pytest.raises(ValueError, match="block_size"):
+        plan_pool(specs, budget, index_specs=[ic.IndexCacheSpec(0, "bf16", 128, 16)])

@@ -220,3 +220,39 @@ def cp_gather_indexer_k_quant_cache(kv_cache: Tensor, dst_k: Tensor, dst_scale: 
     vals, scales = _page_parts(kv_cache, D, S)
     dst_k.copy_(vals[blk, off].view(dst_k.dtype))
     dst_scale.copy_(scales[blk, off].contiguous().view(torch.uint8).view(dst_scale.dtype).view(dst_scale.shape))
+
+
+@dataclass(frozen=True)
+class IndexCacheSpec:
+    """One layer's index cache for the pool planner (mla_ext.planner.plan_pool(index_specs=)):
+    its pages sit beside the latent pages, same block ids, same block size."""
+    layer_index: int
+    index_cache_dtype: str
+    head_dim: int
+    block_size: int
+    quant_block_size: int | None = None
+
+    def __post_init__(self):
+        get_index_format(self.index_cache_dtype)
+        _check_dims(self.head_dim, self.quant_block_size if self.format.quantized else None)
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size: expected a positive int, got {self.block_size!r}")
+
+    @property
+    def format(self) -> IndexCacheFormat:
+        return get_index_format(self.index_cache_dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.format.bytes_per_token(self.head_dim, self.quant_block_size)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.format.storage_dtype
+
+    def page_bytes(self, alignment: int | None = None) -> int:
+        page = self.block_size * self.bytes_per_token
+        return page if not alignment else -(-page // alignment) * alignment
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        return self.format.cache_shape(num_blocks, self.block_size, self.head_dim, self.quant_block_size)
