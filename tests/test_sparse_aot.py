@@ -48,6 +48,13 @@ for cc in (86, 90):
                     kn_ptr="*bf16", bt_ptr="*i32", out_ptr="*fp32")
         build(TI._index_score_kernel, ptrs, dict(H=64, D=128, Q=128, FP8=fp8, LOWP_DOT=True, BLOCK_M=64,
               BLOCK_N=64, BLOCK_D=128), cc, 8, 1)
+    from mla_ext.sparse import triton_index_cache as TX
+    for fp8 in (False, True):
+        build(TX._index_write_kernel, dict(k_ptr="*bf16", c_ptr="*u8" if fp8 else "*bf16", c32_ptr="*fp32",
+              slot_ptr="*i64"), dict(D=128, Q=128, FP8=fp8, UE8M0=True, BLOCK_T=32, BLOCK_D=128), cc, TX.WRITE_WARPS, 1)
+        build(TX._index_gather_kernel, dict(c_ptr="*u8" if fp8 else "*bf16", c32_ptr="*fp32", bt_ptr="*i32",
+              cu_ptr="*i32", st_ptr="*i32", out_ptr="*fp32"), dict(D=128, Q=128, FP8=fp8, HAS_STARTS=True,
+              BLOCK_T=32, BLOCK_D=128), cc, TX.GATHER_WARPS, 1)
 print("AOT-OK")
 """
 

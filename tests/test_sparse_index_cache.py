@@ -138,3 +138,60 @@ def test_planner_puts_index_pages_beside_the_latent_pages():
         plan_pool(specs, budget, index_specs=[ic.IndexCacheSpec(999, "fp8", 128, 64, 128)])
     with pytest.raises(ValueError, match="block_size"):
         plan_pool(specs, budget, index_specs=[ic.IndexCacheSpec(0, "bf16", 128, 16)])
+
+
+# -- Triton writer and gather (interpreter) -------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from mla_ext.sparse.triton_index_cache import f32_to_e4m3  # noqa: E402
+
+
+@triton.jit
+def _enc(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(o_ptr + i, f32_to_e4m3(x), mask=i < n)
+
+
+def test_triton_e4m3_encoder_is_torchs_cast():
+    g = torch.Generator().manual_seed(0)
+    mags = torch.cat([torch.randn(3000, generator=g) * s for s in (1e-3, 0.05, 1, 30, 400)])
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    exact = codes.view(torch.float8_e4m3fn).float()
+    mids = (exact.sort().values[1:] + exact.sort().values[:-1]) / 2  # ties: to even
+    x = torch.cat([mags, exact, mids, torch.tensor([448.0, -448.0, 0.0, -0.0, 2 ** -10, 2 ** -9 * 1.5])])
+    x = x.clamp(-448, 448)
+    out = torch.empty(x.numel(), dtype=torch.int32)
+    _enc[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
+    zero = (want & 0x7F) == 0  # +-0: the sign of a value that rounds to zero may differ
+    assert torch.equal(out[~zero], want[~zero]) and ((out[zero] & 0x7F) == 0).all()
+
+
+@pytest.mark.parametrize("fmt,scale_fmt", [("bfloat16", None), ("float32", None), ("fp8", None), ("fp8", "ue8m0")])
+def test_triton_writer_and_gather_equal_the_torch_ones(fmt, scale_fmt):
+    from mla_ext.sparse.triton_index_cache import gather_index_keys_triton, write_index_cache_triton
+
+    D, B, lens = 32, 8, [13, 0, 21]
+    table, nb, slots = paged_layout(lens, B, seed=5)
+    k = torch.randn(34, D) * 3
+    slot = torch.cat(slots)
+    slot_pad = torch.cat([slot[:4], torch.tensor([-1]), slot[4:]])
+    k_pad = torch.cat([k[:4], torch.randn(1, D), k[4:]])
+    a = ic.get_index_format(fmt).empty(nb, B, D, 16).fill_(0)
+    b = a.clone()
+    ic.write_index_cache(k, a, slot, fmt, quant_block_size=16, scale_fmt=scale_fmt)
+    write_index_cache_triton(k_pad, b, slot_pad, fmt, quant_block_size=16, scale_fmt=scale_fmt)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if fmt != "bfloat16" else \
+        (a.float() - b.float()).abs().max() <= a.float().abs().max() * 2 ** -7  # interpreter bf16 stores truncate
+    cu = torch.tensor([0, 13, 13, 34], dtype=torch.int32)
+    starts = torch.tensor([2, 0, 5], dtype=torch.int32)
+    cu2 = torch.tensor([0, 11, 11, 27], dtype=torch.int32)
+    for c, s in ((cu, None), (cu2, starts)):
+        want = ic.gather_index_keys(a, table, c, fmt, seq_starts=s, head_dim=D)
+        out = torch.full_like(want, float("nan"))
+        got = gather_index_keys_triton(a, table, c, fmt, seq_starts=s, head_dim=D, out=out)
+        assert torch.equal(got, want)

@@ -15,7 +15,9 @@ csrc/common/indexer_cache_layout.h; tests/test_sparse_index_cache.py checks both
             B*D + 4*j*D/Q. Scale = max(amax(x over Q values), 1e-4) / 448, rounded up to a
             power of two when scale_fmt == "ue8m0"; stored value = e4m3(x / scale).
 
-The page size (`page_bytes`) is what the planner adds beside the latent page.
+The page size (`page_bytes`, `IndexCacheSpec`) is what the planner adds beside the latent page.
+On CUDA the writer and the gather run in Triton (triton_index_cache.py); on the CPU in torch
+(checked: slots and block ids in range).
 Gathers follow the latent gather's conventions (SPEC §6): block_table int32
 [num_reqs, max_blocks], cu_seq_lens int32 [num_reqs+1] output row offsets, optional
 seq_starts int32 [num_reqs].
@@ -144,6 +146,11 @@ def write_index_cache(k: Tensor, cache: Tensor, slot_mapping: Tensor, index_cach
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != T or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping: expected int32/int64 [{T}], got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")
+    if cache.device.type == "cuda":  # one Triton launch (mla_ext/sparse/triton_index_cache.py), no host sync
+        from mla_ext.sparse.triton_index_cache import write_index_cache_triton
+
+        return write_index_cache_triton(k, cache, slot_mapping, fmt, quant_block_size=quant_block_size,
+                                        scale_fmt=scale_fmt)
     slots = slot_mapping.to(torch.int64).cpu()
     keep = slots >= 0
     if bool((slots[keep] >= cache.shape[0] * B).any()):
@@ -195,6 +202,11 @@ def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, i
     """Dequantized keys float32 [cu_seq_lens[-1], D]: row cu_seq_lens[r] + i = token seq_starts[r] + i of r."""
     fmt = get_index_format(index_cache_dtype)
     B, D, S = _geometry(cache, fmt, head_dim)
+    if cache.device.type == "cuda":  # one Triton launch; out-of-range block ids read zero rows there
+        from mla_ext.sparse.triton_index_cache import gather_index_keys_triton
+
+        return gather_index_keys_triton(cache, block_table, cu_seq_lens, fmt, seq_starts=seq_starts, head_dim=D,
+                                        out=out)
     blk, off = _token_slots(block_table, cu_seq_lens, seq_starts, B, cache.shape[0])
     blk, off = blk.to(cache.device), off.to(cache.device)
     if fmt.quantized:
