@@ -17,19 +17,11 @@ import torch
 from torch import Tensor
 
 from mla_ext.attention.triton_latent import _pad, interpreting
-from mla_ext.sparse.index_cache import E4M3_MAX, MIN_SCALE, _geometry, get_index_format
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as _exc:  # pragma: no cover
-    triton = None
-    TRITON_IMPORT_ERROR: str | None = str(_exc)
-else:
-    TRITON_IMPORT_ERROR = None
-    from mla_ext.triton_fp8 import e4m3_to_f32, launch_guard
+from mla_ext.sparse._triton import device_reasons, tl, triton
+from mla_ext.sparse.index_cache import _geometry, get_index_format
 
 if triton is not None:
+    from mla_ext.triton_fp8 import e4m3_to_f32, launch_guard
 
     @triton.jit
     def f32_to_e4m3(x):
@@ -111,12 +103,7 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * out_s + d[None, :], v, mask=live[:, None] & (d < D)[None, :])
 
 
-def not_supported_reasons(t: Tensor) -> list[str]:
-    if triton is None:
-        return [f"triton is not importable ({TRITON_IMPORT_ERROR})"]
-    if t.device.type == "cpu" and not interpreting():
-        return ["CPU tensors need TRITON_INTERPRET=1"]
-    return []
+not_supported_reasons = device_reasons
 
 
 def _block_t() -> int:

@@ -16,19 +16,10 @@ import torch
 from torch import Tensor
 
 from mla_ext.attention.triton_latent import _pad, interpreting
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as _exc:  # pragma: no cover
-    triton = None
-    TRITON_IMPORT_ERROR: str | None = str(_exc)
-else:
-    TRITON_IMPORT_ERROR = None
-    from mla_ext.triton_fp8 import e4m3_to_f32, launch_guard
-
+from mla_ext.sparse._triton import device_reasons, tl, triton
 
 if triton is not None:
+    from mla_ext.triton_fp8 import e4m3_to_f32, launch_guard
 
     @triton.jit
     def _index_score_kernel(
@@ -88,12 +79,9 @@ if triton is not None:
 
 
 def not_supported_reasons(q: Tensor) -> list[str]:
-    if triton is None:
-        return [f"triton is not importable ({TRITON_IMPORT_ERROR})"]
-    if q.device.type == "cpu" and not interpreting():
-        return ["CPU tensors need TRITON_INTERPRET=1"]
-    if q.device.type not in ("cpu", "cuda"):
-        return [f"tensors are on {q.device}; Triton needs CUDA (or the CPU under TRITON_INTERPRET=1)"]
+    why = device_reasons(q)
+    if why:
+        return why
     if _pad(q.shape[-1]) > 256:
         return [f"index_head_dim {q.shape[-1]} is above the 256 the kernel's tiles are sized for"]
     return []

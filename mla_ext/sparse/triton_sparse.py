@@ -18,7 +18,6 @@ Interpreter rules as triton_latent.py: operands in fp32 after loading there.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from mla_ext.attention import triton_latent as TL
 
