@@ -4,6 +4,8 @@ paged cache), several requests, context + new tokens well past index_topk, every
 selections equal transformers' (fp32 scoring, float32 index cache) up to ties, outputs equal
 transformers' (fp32, native cache) or the float64 oracle on what the cache holds (quantized
 formats); sparse == dense when index_topk >= context + new; dense families stay dense."""
+import functools
+
 import pytest
 import torch
 
@@ -24,11 +26,16 @@ KS = torch.tensor([0.02])  # per-tensor fp8 K scale
 REQUESTS = [(40, 12), (0, 30), (23, 5)]  # (context, new); index_topk = 16
 
 
-def _setup(family, fmt, index_fmt="float32", topk=16):
-    ds = fmt.endswith("ds_mla")
+@functools.lru_cache(maxsize=None)
+def _model(family, ds, topk):
+    """The tiny model and transformers' own forward of every request (shared by the tests)."""
     model = tiny_model(family, topk=topk, **(dict(L=512, R=64, heads=2, index_dim=128) if ds else {}))
+    return model, [run_with_context(model, c, q, seed=20 + i) for i, (c, q) in enumerate(REQUESTS)]
+
+
+def _setup(family, fmt, index_fmt="float32", topk=16):
+    model, caps = _model(family, fmt.endswith("ds_mla"), topk)
     attn = model.layers[0].self_attn
-    caps = [run_with_context(model, c, q, seed=20 + i) for i, (c, q) in enumerate(REQUESTS)]
     layer = TransformersDSA(attn, CacheConfig(fmt, block_size=B), index_cache_dtype=index_fmt)
     ctx = [c for c, _ in REQUESTS]
     table, nb, slots = paged_layout(ctx, B, seed=1)
@@ -102,7 +109,7 @@ def test_every_cache_format(fmt, index_fmt):
 
 def test_sparse_equals_dense_when_nothing_is_dropped():
     model, attn, caps, layer, kv_cache, index_cache, slots, hidden, cos, sin, meta = _setup(
-        "deepseek_v32", "fp8", "bfloat16", topk=64)
+        "deepseek_v32", "fp8", "bfloat16", topk=64)  # a model of its own: index_topk 64 >= 52
     q, kv_c, k_pe, ix = layer.inputs(hidden, cos, sin)
     ix.cache = index_cache
     assert not layer.prefill.sparse.drops(meta.context_lens, meta.query_lens)
