@@ -130,3 +130,24 @@ def test_refusals_and_dense_families():
         SparseConfig(0, 4, 16)
     cfg = SparseConfig.from_config(model.config)
     assert (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim, cfg.rope_interleaved) == (16, 4, 16, False)
+
+
+def test_a_given_selection_is_used_as_is_and_checkpoint_weights_load():
+    from mla_ext.sparse.from_transformers import IndexerParams
+
+    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, cos, sin, meta = _setup("glm_moe_dsa", "fp8")
+    out = layer(hidden, cos, sin, kv_cache, index_cache, meta)
+    sel = layer.prefill.last_selection.clone()
+    q, kv_c, k_pe, _ = layer.inputs(hidden, cos, sin)
+    again = layer.prefill(q, kv_c, k_pe, kv_cache, meta, index=sel)  # a "shared" layer's call
+    assert torch.equal(again, out)
+    with pytest.raises(ValueError, match="selection"):
+        layer.prefill(q, kv_c, k_pe, kv_cache, meta, index=sel[:3])
+    state = {f"model.layers.0.self_attn.indexer.{k}": v for k, v in attn.indexer.state_dict().items()}
+    ck = IndexerParams.from_state_dict(state, "model.layers.0.self_attn.indexer.", model.config, True)
+    mod = IndexerParams.from_module(attn)
+    assert all(torch.equal(getattr(ck, f), getattr(mod, f)) for f in ("wq_b", "wk", "k_norm_weight", "weights_proj"))
+    assert (ck.n_heads, ck.head_dim, ck.rope_dim, ck.topk, ck.rope_interleaved) == \
+        (mod.n_heads, mod.head_dim, mod.rope_dim, mod.topk, mod.rope_interleaved)
+    with pytest.raises(ValueError, match="missing"):
+        IndexerParams.from_state_dict({}, "x.", model.config, True)

@@ -535,8 +535,9 @@ class MLAPrefill:
                 attention_scratch: AttentionScratch | None = None, index=None) -> Tensor:
         """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V].
 
-        `index`: a sparse layer's indexer inputs (mla_ext.sparse.layer.IndexInputs), needed once
-        some request has more than index_topk tokens (context + new); ignored by dense layers.
+        `index`: a sparse layer's indexer inputs (mla_ext.sparse.layer.IndexInputs) or a selection
+        made before (int32 [T, K]), needed once some request has more than index_topk tokens
+        (context + new); ignored by dense layers.
 
         `k_scale`: this layer's per-tensor fp32 K scale [1] (per-tensor fp8 layers;
         K scales are per layer). Defaults to `metadata.k_scale`, which one batch's

@@ -15,12 +15,15 @@ dense family, which stays dense). `forward(..., index=IndexInputs(...))` then:
 When no request has more than index_topk tokens (context + new) nothing would be dropped and
 the dense path is the same computation (tests prove it), so the layer runs dense and the
 indexer inputs are not needed; past that, a sparse layer without `index` is an error, never
-a silent dense answer.
+a silent dense answer. `index` may instead be a selection made before (int32 [T, K],
+request-local positions, -1 padded: `layer.last_selection` of another layer), which a GLM-5
+"shared" layer reuses from the previous full layer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from mla_ext.sparse.index_cache import get_index_format
@@ -103,16 +106,26 @@ def sparse_forward(layer, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache
     from mla_ext.prefill.absorbed import absorb_queries, absorbed_weights, unabsorb
 
     cfg, m = layer.sparse, layer.model
-    if not isinstance(index, IndexInputs):
-        raise ValueError(f"index: expected mla_ext.sparse.layer.IndexInputs, got {type(index).__name__}")
     T, dev = q.shape[0], q.device
-    H, D = cfg.index_n_heads, cfg.index_head_dim
-    if tuple(index.q.shape) != (T, H, D) or tuple(index.weights.shape) != (T, H) or tuple(index.k.shape) != (T, D):
-        raise ValueError(f"index: expected q [{T}, {H}, {D}], weights [{T}, {H}], k [{T}, {D}]; got "
-                         f"{tuple(index.q.shape)}, {tuple(index.weights.shape)}, {tuple(index.k.shape)}")
     ctx, qls = list(metadata.context_lens), list(metadata.query_lens)
-    sel = indexer_topk(index.q, index.weights, index.k, index.cache, metadata.block_table, qls, ctx, cfg.index_topk,
-                       index_cache_dtype=cfg.index_cache_dtype, chunk=cfg.chunk, backend=indexer_backend(index.q))
+    if isinstance(index, Tensor):  # a selection made before (GLM-5's "shared" layers reuse the last full one's)
+        if index.dim() != 2 or index.shape[0] != T or index.dtype not in (torch.int32, torch.int64) \
+                or index.device != dev:
+            raise ValueError(f"index: a selection must be int32 [T={T}, K] on {dev}, got {index.dtype} "
+                             f"{tuple(index.shape)} on {index.device}")
+        sel = index
+    elif isinstance(index, IndexInputs):
+        H, D = cfg.index_n_heads, cfg.index_head_dim
+        if tuple(index.q.shape) != (T, H, D) or tuple(index.weights.shape) != (T, H) \
+                or tuple(index.k.shape) != (T, D):
+            raise ValueError(f"index: expected q [{T}, {H}, {D}], weights [{T}, {H}], k [{T}, {D}]; got "
+                             f"{tuple(index.q.shape)}, {tuple(index.weights.shape)}, {tuple(index.k.shape)}")
+        sel = indexer_topk(index.q, index.weights, index.k, index.cache, metadata.block_table, qls, ctx,
+                           cfg.index_topk, index_cache_dtype=cfg.index_cache_dtype, chunk=cfg.chunk,
+                           backend=indexer_backend(index.q))
+    else:
+        raise ValueError(f"index: expected mla_ext.sparse.layer.IndexInputs or a selection tensor, got "
+                         f"{type(index).__name__}")
     w_uk, w_uv_t = absorbed_weights(layer.kv_b_proj, m.num_heads, m.P, m.V, q.dtype, dev)
     q_lat = absorb_queries(q[..., :m.P], w_uk)
     scale = layer._k_scale(k_scale if k_scale is not None else metadata.k_scale, dev)
