@@ -102,3 +102,13 @@ def test_triton_scores_equal_the_reference_scores():
     assert torch.equal(torch.isinf(out), torch.isinf(want))
     fin = torch.isfinite(want)
     assert torch.allclose(out[fin].double(), want[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_tie_keys_order_is_the_tie_rule():
+    from mla_ext.sparse.topk import tie_keys
+
+    s = torch.tensor([[0.0, -0.0, 1.5, -2.0, float("-inf"), 1.5, -1e-30, 3e38, -3e38, 0.0]])
+    pos = torch.arange(s.shape[1])[None]
+    order = torch.topk(tie_keys(s, pos), s.shape[1], dim=1).indices[0].tolist()
+    want = sorted(range(s.shape[1]), key=lambda i: (-float(s[0, i]), i))
+    assert order == want

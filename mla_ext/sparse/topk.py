@@ -9,9 +9,10 @@ scored ([qb, chunk]: sum_h w * relu(q . k)), masked causally, and merged into a 
 qb * (topk + chunk) scores + chunk * D keys, whatever the context length: never an [S, T]
 matrix.
 
-Tie rule (mla_ext/sparse/reference.py): higher score first, then the lower position. The merge
-keeps it with a stable descending sort of [running | chunk]: running entries come from earlier
-(lower) positions and stand first, and inside a chunk positions ascend.
+Tie rule (mla_ext/sparse/reference.py): higher score first, then the lower position. The fp32
+merge keeps it with torch.topk over int64 keys (score bits, then the inverted position): every
+key is distinct, so the library top-k picks exactly the rule's set; float64 (tests) merges by a
+stable descending sort of [running | chunk] (running entries hold lower positions and stand first).
 """
 from __future__ import annotations
 
@@ -31,13 +32,27 @@ def score_chunk_torch(q: Tensor, w: Tensor, k: Tensor) -> Tensor:
     return torch.einsum("mhc,mh->mc", s, w.to(q.dtype))
 
 
+def tie_keys(scores: Tensor, pos: Tensor) -> Tensor:
+    """int64 keys whose descending order is the tie rule's: the fp32 score's bits mapped to a
+    monotone int32 in the high half, (2^32 - 1 - position) in the low half. Distinct positions
+    give distinct keys, so a library top-k (torch.topk) selects exactly the tie rule's set."""
+    b = (scores.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 -> +0.0 (they tie)
+    b = torch.where(b < 0, b ^ 0x7FFFFFFF, b)  # negative floats: larger magnitude -> smaller key
+    return (b << 32) | (0xFFFFFFFF - pos)
+
+
 def merge_topk(vals: Tensor, idx: Tensor, s: Tensor, pos0: int, topk: int) -> tuple[Tensor, Tensor]:
     """Merge chunk scores s [M, C] (positions pos0..pos0+C-1, -inf = hidden) into the running
-    (vals, idx) [M, topk] by the tie rule."""
+    (vals, idx) [M, topk] by the tie rule: fp32 through torch.topk on `tie_keys` (no sort),
+    other dtypes (the float64 tests) by a stable descending sort."""
     cand_idx = torch.arange(pos0, pos0 + s.shape[1], dtype=torch.int64, device=s.device).expand_as(s)
     allv = torch.cat([vals, s.to(vals.dtype)], dim=1)
     alli = torch.cat([idx, cand_idx], dim=1)
-    order = torch.sort(allv, dim=1, descending=True, stable=True).indices[:, :topk]
+    k = min(topk, allv.shape[1])
+    if allv.dtype == torch.float32:
+        order = torch.topk(tie_keys(allv, alli.clamp_min(0)), k, dim=1).indices
+    else:
+        order = torch.sort(allv, dim=1, descending=True, stable=True).indices[:, :k]
     return allv.gather(1, order), alli.gather(1, order)
 
 
