@@ -16,7 +16,8 @@ FAMILIES = {
 
 
 def tiny_model(family: str, *, topk: int = 16, seed: int = 0, dtype=torch.float32, index_heads: int = 4,
-               L: int = 32, R: int = 8, P: int = 16, V: int = 16, heads: int = 4, index_dim: int = 16):
+               L: int = 32, R: int = 8, P: int = 16, V: int = 16, heads: int = 4, index_dim: int = 16,
+               **extra):
     mod = importlib.import_module(f"transformers.models.{family}")
     cfg_cls, model_cls = (getattr(mod, n) for n in FAMILIES[family])
     kw = dict(vocab_size=32, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
@@ -25,6 +26,7 @@ def tiny_model(family: str, *, topk: int = 16, seed: int = 0, dtype=torch.float3
               index_topk=topk, index_n_heads=index_heads, index_head_dim=index_dim,
               n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
               max_position_embeddings=4096, attn_implementation="eager")
+    kw.update(extra)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kw)).to(dtype).eval()
     with torch.no_grad():  # random, non-trivial norms (the init is ones / zeros)
@@ -42,11 +44,12 @@ class Captured(NamedTuple):
     sin: torch.Tensor
 
 
-def run_with_context(model, ctx: int, q_len: int, seed: int) -> Captured:
-    """transformers' own forward: ctx tokens, then q_len new tokens against the cache."""
+def run_with_context(model, ctx: int, q_len: int, seed: int, layer_idx: int = 0) -> Captured:
+    """transformers' own forward: ctx tokens, then q_len new tokens against the cache; what layer
+    `layer_idx`'s attention saw and gave (topk None for a layer without an indexer)."""
     from transformers import DynamicCache
 
-    layer = model.layers[0].self_attn
+    layer = model.layers[layer_idx].self_attn
     seen = {}
 
     def grab_attn(mod, args, kwargs, output):
@@ -73,7 +76,7 @@ def run_with_context(model, ctx: int, q_len: int, seed: int) -> Captured:
         if h2 is not None:
             h2.remove()
     cat = lambda xs: torch.cat(xs, dim=0)
-    return Captured(cat(seen["hidden"]), seen["out"][-1], seen["topk"][-1],
+    return Captured(cat(seen["hidden"]), seen["out"][-1], seen["topk"][-1] if "topk" in seen else None,
                     cat([p[0] for p in seen["pe"]]), cat([p[1] for p in seen["pe"]]))
 
 

@@ -151,3 +151,43 @@ def test_a_given_selection_is_used_as_is_and_checkpoint_weights_load():
         (mod.n_heads, mod.head_dim, mod.rope_dim, mod.topk, mod.rope_interleaved)
     with pytest.raises(ValueError, match="missing"):
         IndexerParams.from_state_dict({}, "x.", model.config, True)
+
+
+def test_glm5_shared_layer_reuses_the_full_layers_selection():
+    """GLM-5 ("full", "shared") layers: layer 1 has no indexer and attends layer 0's top-k."""
+    model = tiny_model("glm_moe_dsa", topk=16, num_hidden_layers=2, indexer_types=["full", "shared"])
+    full_attn, shared_attn = model.layers[0].self_attn, model.layers[1].self_attn
+    assert shared_attn.indexer is None
+    reqs = REQUESTS[:2]
+    caps0 = [run_with_context(model, c, q, seed=40 + i, layer_idx=0) for i, (c, q) in enumerate(reqs)]
+    caps1 = [run_with_context(model, c, q, seed=40 + i, layer_idx=1) for i, (c, q) in enumerate(reqs)]
+    full = TransformersDSA(full_attn, CacheConfig("auto", block_size=B), index_cache_dtype="float32")
+    shared = TransformersDSA(shared_attn, CacheConfig("auto", block_size=B))
+    ctx = [c for c, _ in reqs]
+    table, nb, slots = paged_layout(ctx, B, seed=2)
+    caches = {n: torch.zeros(lay.prefill.spec.cache_shape(nb), dtype=lay.prefill.spec.storage_dtype)
+              for n, lay in (("full", full), ("shared", shared))}
+    index_cache = get_index_format("float32").empty(nb, B, 16, 16).zero_()
+    for (c, _), c0, c1, s in zip(reqs, caps0, caps1, slots):
+        if c:
+            full.write_cache(c0.hidden[:c], c0.cos[:c], c0.sin[:c], caches["full"], index_cache, s)
+            shared.write_cache(c1.hidden[:c], c1.cos[:c], c1.sin[:c], caches["shared"], None, s)
+    meta = PrefillMetadata(table, ctx, [q for _, q in reqs], block_size=B)
+
+    def new(caps, field):
+        return torch.cat([getattr(cp, field)[c:c + q] for cp, (c, q) in zip(caps, reqs)])
+
+    full(new(caps0, "hidden"), new(caps0, "cos"), new(caps0, "sin"), caches["full"], index_cache, meta)
+    sel = full.prefill.last_selection
+    with pytest.raises(ValueError, match="selection"):
+        shared(new(caps1, "hidden"), new(caps1, "cos"), new(caps1, "sin"), caches["shared"], None, meta)
+    y = shared.o_proj(shared(new(caps1, "hidden"), new(caps1, "cos"), new(caps1, "sin"), caches["shared"], None,
+                             meta, selection=sel))
+    start = 0
+    for (c, qn), c0, c1 in zip(reqs, caps0, caps1):
+        rows = slice(start, start + qn)
+        start += qn
+        same = [t for t in range(qn) if {int(i) for i in sel[rows][t] if i >= 0}
+                == {int(i) for i in c0.topk[t] if i <= c + t}]
+        assert len(same) >= qn * 3 // 4
+        assert rel(y[rows][same], c1.out[same]) <= 1e-5

@@ -39,7 +39,9 @@ class TransformersDSA:
         if kind not in INDEXER_ROPE_INTERLEAVED:
             raise ValueError(f"module: expected one of {sorted(INDEXER_ROPE_INTERLEAVED)}, got {kind}")
         self.module = module
-        self.indexer = IndexerParams.from_module(module)
+        # A GLM-5 "shared" layer has no indexer: it attends the previous full layer's selection
+        # (`forward(..., selection=that_layer.prefill.last_selection)`).
+        self.indexer = IndexerParams.from_module(module) if getattr(module, "indexer", None) is not None else None
         cfg = module.config
         self.dtype = module.kv_a_layernorm.weight.dtype
         model = config_from_dict(cfg.to_dict(), name=f"{cfg.model_type} ({kind})")
@@ -60,24 +62,33 @@ class TransformersDSA:
         return cos[0], sin[0]
 
     def inputs(self, hidden: Tensor, cos: Tensor, sin: Tensor):
-        """(q, kv_c_normed, k_pe, IndexInputs without a cache) of tokens hidden [T, hidden]."""
+        """(q, kv_c_normed, k_pe, IndexInputs without a cache, or None for a layer without an
+        indexer) of tokens hidden [T, hidden]."""
         with torch.no_grad():
             x = project(self.module, self.indexer, hidden, cos, sin)
         d = self.dtype
-        return (x.q.to(d), x.kv_c.to(d), x.k_pe.to(d),
-                IndexInputs(x.q_idx.to(d), x.w_idx.to(torch.float32), x.k_idx.to(d), None))
+        ix = None if self.indexer is None else IndexInputs(x.q_idx.to(d), x.w_idx.to(torch.float32), x.k_idx.to(d),
+                                                             None)
+        return x.q.to(d), x.kv_c.to(d), x.k_pe.to(d), ix
 
     def write_cache(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, index_cache: Tensor,
                     slot_mapping: Tensor, k_scale: Tensor | None = None) -> None:
         _, kv_c, k_pe, ix = self.inputs(hidden, cos, sin)
         self.prefill.write_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
-        write_index_cache(ix.k, index_cache, slot_mapping, self.prefill.sparse.index_cache_dtype)
+        if ix is not None:
+            write_index_cache(ix.k, index_cache, slot_mapping, self.prefill.sparse.index_cache_dtype)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, index_cache: Tensor,
-                metadata: PrefillMetadata, **kwargs) -> Tensor:
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, index_cache: Tensor | None,
+                metadata: PrefillMetadata, *, selection: Tensor | None = None, **kwargs) -> Tensor:
+        """[T, N, V]. `selection`: a previous full layer's (required for a layer without an indexer)."""
         q, kv_c, k_pe, ix = self.inputs(hidden, cos, sin)
-        ix.cache = index_cache
-        return self.prefill(q, kv_c, k_pe, kv_cache, metadata, index=ix, **kwargs)
+        if selection is None and ix is None:
+            raise ValueError(f"selection: layer {self.module.layer_idx} has no indexer (a 'shared' layer); pass the "
+                             "previous full layer's selection")
+        if ix is not None:
+            ix.cache = index_cache
+        return self.prefill(q, kv_c, k_pe, kv_cache, metadata, index=ix if selection is None else selection,
+                            **kwargs)
 
     __call__ = forward
 

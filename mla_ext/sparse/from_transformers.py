@@ -121,7 +121,7 @@ def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight.to(x.dtype) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def project(attention, indexer: IndexerParams, hidden: Tensor, cos: Tensor, sin: Tensor) -> DsaInputs:
+def project(attention, indexer: IndexerParams | None, hidden: Tensor, cos: Tensor, sin: Tensor) -> DsaInputs:
     """Every per-token input of the sparse layer from hidden [T, hidden], in float64: the main
     attention's q / kv_c_normed / k_pe (interleaved RoPE in both families) and the indexer's
     q_I / k_I / w. cos, sin [T, R]: the model's rotary table at the tokens' positions."""
@@ -135,5 +135,8 @@ def project(attention, indexer: IndexerParams, hidden: Tensor, cos: Tensor, sin:
     kv = _lin(x, a.kv_a_proj_with_mqa)
     kv_c = _rms(kv[:, :L], a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon)
     k_pe = rope(kv[:, L:], cos.to(f), sin.to(f), True)
+    q = torch.cat([q[..., :P], q_pe], dim=-1)
+    if indexer is None:  # a layer that reuses another layer's selection
+        return DsaInputs(q, kv_c, k_pe, None, None, None)
     q_idx, w_idx = indexer.queries(x, q_resid, cos, sin)
-    return DsaInputs(torch.cat([q[..., :P], q_pe], dim=-1), kv_c, k_pe, q_idx, indexer.keys(x, cos, sin), w_idx)
+    return DsaInputs(q, kv_c, k_pe, q_idx, indexer.keys(x, cos, sin), w_idx)
