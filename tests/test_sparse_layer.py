@@ -191,3 +191,34 @@ def test_glm5_shared_layer_reuses_the_full_layers_selection():
                 == {int(i) for i in c0.topk[t] if i <= c + t}]
         assert len(same) >= qn * 3 // 4
         assert rel(y[rows][same], c1.out[same]) <= 1e-5
+
+
+def test_bf16_model_and_the_triton_backend_in_the_layer():
+    """A bf16 model through the layer (Triton sparse kernel forced, interpreter) against the float64
+    oracle on what the cache holds, SPEC §9's bf16 bound; context parallelism is refused."""
+    from mla_ext.prefill.layer import ContextParallel, MLAPrefill
+    from mla_ext.sparse import sparse_attention as SA
+
+    model = tiny_model("deepseek_v32", topk=16, dtype=torch.bfloat16)
+    attn = model.layers[0].self_attn
+    caps = [run_with_context(model, c, q, seed=60 + i) for i, (c, q) in enumerate(REQUESTS)]
+    layer = TransformersDSA(attn, CacheConfig("fp8", block_size=B),
+                            index_cache_dtype="bfloat16")
+    ctx = [c for c, _ in REQUESTS]
+    table, nb, slots = paged_layout(ctx, B, seed=3)
+    kv_cache = torch.zeros(layer.prefill.spec.cache_shape(nb), dtype=layer.prefill.spec.storage_dtype)
+    index_cache = get_index_format("bfloat16").empty(nb, B, 16, 16).zero_()
+    for (c, _), cap, s in zip(REQUESTS, caps, slots):
+        if c:
+            layer.write_cache(cap.hidden[:c], cap.cos[:c], cap.sin[:c], kv_cache, index_cache, s, KS)
+    new = [slice(c, c + q) for c, q in REQUESTS]
+    args = [torch.cat([getattr(cap, f)[s] for cap, s in zip(caps, new)]) for f in ("hidden", "cos", "sin")]
+    meta = PrefillMetadata(table, ctx, [q for _, q in REQUESTS], KS, block_size=B)
+    with SA.SPARSE.force("triton"):
+        out = layer(*args, kv_cache, index_cache, meta)
+    assert out.dtype == torch.bfloat16
+    want = _oracle_on_cache(layer, attn, caps, kv_cache, slots, layer.prefill.last_selection, "fp8")
+    assert rel(out, want) <= 1e-2
+    with pytest.raises(ValueError, match="context parallel"):
+        MLAPrefill(layer.prefill.model, CacheConfig("fp8", block_size=B), layer.prefill.kv_b_proj, layer=0,
+                   sparse=layer.prefill.sparse, context_parallel=ContextParallel(None, 2, 0, 1))

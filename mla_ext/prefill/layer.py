@@ -284,6 +284,9 @@ class MLAPrefill:
         if sparse is not None and not isinstance(sparse, SparseConfig):
             raise ValueError(f"sparse: expected an mla_ext.sparse.layer.SparseConfig or None, got "
                              f"{type(sparse).__name__}")
+        if sparse is not None and context_parallel is not None:
+            raise ValueError("sparse: the sparse (DSA) path does not support context parallelism yet "
+                             "(its selected positions index the whole context); pass context_parallel=None")
         self.sparse = sparse
 
     # -- plan ----------------------------------------------------------------
