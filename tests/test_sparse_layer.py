@@ -107,9 +107,10 @@ def test_every_cache_format(fmt, index_fmt):
     assert rel(out, _oracle_on_cache(layer, attn, caps, kv_cache, slots, sel, fmt)) <= 1e-4, fmt
 
 
-def test_sparse_equals_dense_when_nothing_is_dropped():
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla", "nvfp4_ds_mla"])
+def test_sparse_equals_dense_when_nothing_is_dropped(fmt):
     model, attn, caps, layer, kv_cache, index_cache, slots, hidden, cos, sin, meta = _setup(
-        "deepseek_v32", "fp8", "bfloat16", topk=64)  # a model of its own: index_topk 64 >= 52
+        "deepseek_v32", fmt, "bfloat16", topk=64)  # a model of its own: index_topk 64 >= 52
     q, kv_c, k_pe, ix = layer.inputs(hidden, cos, sin)
     ix.cache = index_cache
     assert not layer.prefill.sparse.drops(meta.context_lens, meta.query_lens)
