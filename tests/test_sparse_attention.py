@@ -147,3 +147,14 @@ def test_bad_arguments_are_value_errors():
         SA.sparse_latent_attention(*bad, q_lens=Q_LENS, ctx_lens=CTX_LENS)
     with pytest.raises(ValueError, match="ctx_lens"):
         SA.sparse_latent_attention(*args, q_lens=Q_LENS, ctx_lens=[1.0, 0, 2])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_requests_without_new_tokens(backend):
+    c = _case("auto", torch.float32, seed=4)
+    q_lat, q_pe, _ = _absorb(c)
+    with SA.SPARSE.force(backend):
+        o, lse = SA.sparse_latent_attention(q_lat[:, :0], q_pe[:0], c["cache"], "auto", c["table"], c["idx"][:0],
+                                            c["new_kv"][:0], c["new_pe"][:0], None, 1.0, q_lens=[0, 0, 0],
+                                            ctx_lens=CTX_LENS)
+    assert o.shape == (N, 0, c["L"]) and lse.shape == (N, 0)

@@ -71,8 +71,9 @@ class SparseConfig:
         return cls(**kw)
 
     def drops(self, context_lens, query_lens) -> bool:
-        """Whether some request has more tokens than index_topk (the indexer then drops some)."""
-        return any(c + q > self.index_topk for c, q in zip(context_lens, query_lens))
+        """Whether some request with new tokens has more tokens than index_topk (the indexer then
+        drops some)."""
+        return any(q > 0 and c + q > self.index_topk for c, q in zip(context_lens, query_lens))
 
     def describe(self) -> str:
         rope = {None: "rope pairing not stated", False: "half-split rope", True: "interleaved rope"}
