@@ -7,9 +7,10 @@ Backends (`SPARSE` dispatcher; force with `SPARSE.force(name)` or
 MLA_EXT_FORCE_SPARSE_LATENT_ATTENTION=name):
   triton  mla_ext/sparse/triton_sparse.py, decoding every format in its loader; CUDA, or
           the CPU under TRITON_INTERPRET=1 only when forced (the interpreter is for tests);
-  torch   per block of queries, fetch the selected cache entries (cache[block, slot]),
-          decode them with mla_ext.cache.reference.decode_cache_rows (every format), fp32
-          matmuls; the workspace is bounded by `MAX_ROW_BYTES` whatever the context.
+  torch   per block of queries, fetch the block's distinct selected cache entries
+          (cache[block, slot]) once, decode them with mla_ext.cache.reference.decode_cache_rows
+          (every format), fp32 matmuls; the workspace is bounded by `MAX_ROW_BYTES` whatever
+          the context.
 """
 from __future__ import annotations
 
@@ -97,10 +98,13 @@ def _rows(x: SparseInputs, t0: int, t1: int, tok_req: Tensor, cu: list[int]) -> 
     blk = torch.where(in_table, x.block_table.to(torch.int64)[req, lblk.clamp_max(max(width - 1, 0))]
                       if width else torch.zeros_like(idx), -1)
     ok = in_table & (blk >= 0) & (blk < nb)
-    raw = x.kv_cache[torch.where(ok, blk, 0), torch.where(ok, idx % B, 0)]  # [tq, K, entry]
+    # Queries of a block share most of their positions: decode each cache entry once.
+    slot = torch.where(ok, blk * B + idx % B, 0)
+    uniq, inv = torch.unique(slot, return_inverse=True)
+    raw = x.kv_cache[uniq // B, uniq % B]  # [U, entry]
     L, R = x.q_lat.shape[-1], x.q_pe.shape[-1]
-    dec = decode_cache_rows(raw.reshape(-1, raw.shape[-1]), x.kv_cache_dtype, x.k_scale)[:, :L + R]
-    dec = torch.where(ok.reshape(-1, 1), dec, 0.0).view(idx.shape[0], idx.shape[1], L + R)
+    dec = decode_cache_rows(raw, x.kv_cache_dtype, x.k_scale)[:, :L + R][inv]  # [tq, K, L+R]
+    dec = torch.where(ok[..., None], dec, 0.0)
     is_new = valid & (idx >= ctx)
     start = torch.tensor(cu[:-1], dtype=torch.int64, device=idx.device)[req]
     nrow = torch.where(is_new, start + idx - ctx, 0)
