@@ -130,7 +130,7 @@ def write_index_cache_triton(k: Tensor, cache: Tensor, slot_mapping: Tensor, ind
     if T == 0:
         return
     c32 = cache.view(torch.float32) if fmt.quantized else cache
-    slots = slot_mapping.to(torch.int64).contiguous()
+    slots = slot_mapping.to(device=cache.device, dtype=torch.int64).contiguous()
     kk = k if k.stride(-1) == 1 else k.contiguous()
     bt = _block_t()
     with launch_guard(k):
@@ -148,17 +148,18 @@ def gather_index_keys_triton(cache: Tensor, block_table: Tensor, cu_seq_lens: Te
     fmt = get_index_format(index_cache_dtype)
     B, D, S = _geometry(cache, fmt, head_dim)
     n = cu_seq_lens.numel() - 1
-    cu = cu_seq_lens.to(torch.int32).contiguous()
-    total = int(cu[-1]) if out is None else out.shape[0]
+    dev = cache.device
+    cu = cu_seq_lens.to(device=dev, dtype=torch.int32).contiguous()
+    total = int(cu_seq_lens[-1]) if out is None else out.shape[0]
     if out is None:
         out = torch.empty(total, D, dtype=torch.float32, device=cache.device)
     if max_len is None:
-        max_len = int((cu[1:] - cu[:-1]).max()) if n else 0
+        max_len = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()) if n else 0
     if n == 0 or max_len == 0:
         return out
     c32 = cache.view(torch.float32) if fmt.quantized else cache
-    bt = block_table.to(torch.int32).contiguous()
-    st = seq_starts.to(torch.int32).contiguous() if seq_starts is not None else cu
+    bt = block_table.to(device=dev, dtype=torch.int32).contiguous()
+    st = seq_starts.to(device=dev, dtype=torch.int32).contiguous() if seq_starts is not None else cu
     b = _block_t()
     with launch_guard(cache):
         _index_gather_kernel[(triton.cdiv(max_len, b), n)](
