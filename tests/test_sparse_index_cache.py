@@ -179,8 +179,8 @@ def test_triton_writer_and_gather_equal_the_torch_ones(fmt, scale_fmt):
     table, nb, slots = paged_layout(lens, B, seed=5)
     k = torch.randn(34, D) * 3
     slot = torch.cat(slots)
-    slot_pad = torch.cat([slot[:4], torch.tensor([-1]), slot[4:]])
-    k_pad = torch.cat([k[:4], torch.randn(1, D), k[4:]])
+    slot_pad = torch.cat([slot[:4], torch.tensor([-1, nb * B]), slot[4:]])  # padding; past the cache
+    k_pad = torch.cat([k[:4], torch.randn(2, D), k[4:]])
     a = ic.get_index_format(fmt).empty(nb, B, D, 16).fill_(0)
     b = a.clone()
     ic.write_index_cache(k, a, slot, fmt, quant_block_size=16, scale_fmt=scale_fmt)

@@ -8,7 +8,8 @@ the gather decodes with mla_ext.triton_fp8.e4m3_to_f32. The ue8m0 scale rounding
 power of two) is done on the scale's bits, exactly.
 
 One program: BLOCK_T tokens x the whole head (D <= 256). Writer: slot < 0 skips the token
-(vLLM's padding rule); the caller checks slots < num_blocks * B. Gather: rows of
+(vLLM's padding rule), and so does a slot past the cache (never a write outside it; no host
+check, which would sync). Gather: rows of
 cu_seq_lens / seq_starts as mla_ext.cache's gathers; block ids outside the cache read zeros.
 """
 from __future__ import annotations
@@ -38,12 +39,12 @@ if triton is not None:
         return code | sign
 
     @triton.jit
-    def _index_write_kernel(k_ptr, c_ptr, c32_ptr, slot_ptr, T, block_size, page_stride, k_s,
+    def _index_write_kernel(k_ptr, c_ptr, c32_ptr, slot_ptr, T, block_size, num_slots, page_stride, k_s,
                             D: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)
-        ok = slot >= 0
+        ok = (slot >= 0) & (slot < num_slots)  # a slot past the cache writes nothing (no host check: no sync)
         blk = tl.where(ok, slot // block_size, 0)
         off = tl.where(ok, slot % block_size, 0)
         d = tl.arange(0, BLOCK_D)
@@ -135,7 +136,7 @@ def write_index_cache_triton(k: Tensor, cache: Tensor, slot_mapping: Tensor, ind
     bt = _block_t()
     with launch_guard(k):
         _index_write_kernel[(triton.cdiv(T, bt),)](
-            kk, cache, c32, slots, T, B, cache.stride(0), kk.stride(0),
+            kk, cache, c32, slots, T, B, cache.shape[0] * B, cache.stride(0), kk.stride(0),
             D=D, Q=Q, FP8=fmt.quantized, UE8M0=scale_fmt == "ue8m0", BLOCK_T=bt, BLOCK_D=_pad(D),
             num_warps=4 if interpreting() else WRITE_WARPS)
 

@@ -24,7 +24,7 @@ if triton is not None:
     @triton.jit
     def _index_score_kernel(
         q_ptr, w_ptr, kc_ptr, kc32_ptr, kn_ptr, bt_ptr, out_ptr,
-        M, p0, p1, ctx, qpos0, block_size, num_blocks, max_blocks,
+        M, p0, p1, ctx, n_new, qpos0, block_size, num_blocks, max_blocks,
         q_sm, q_sh, w_sm, kn_s, page_stride, out_sm,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr, LOWP_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -56,7 +56,7 @@ if triton is not None:
         else:
             kc = tl.load(kc_ptr + blk[:, None] * page_stride + off[:, None] * D + d[None, :], mask=okd,
                          other=0.0).to(tl.float32)
-        is_new = n_mask & (pos >= ctx)
+        is_new = n_mask & (pos >= ctx) & (pos - ctx < n_new)  # past the new keys: a zero key, no read
         kn = tl.load(kn_ptr + tl.where(is_new, pos - ctx, 0).to(tl.int64)[:, None] * kn_s + d[None, :],
                      mask=is_new[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
         k = tl.where(is_new[:, None], kn, tl.where(okd, kc, 0.0))
@@ -119,7 +119,7 @@ def score_range_triton(q: Tensor, w: Tensor, cache: Tensor | None, fp8: bool, bl
     with launch_guard(q):
         _index_score_kernel[grid](
             q, w, cache, c32, k_new, bt, out,
-            M, p0, p1, ctx, qpos0, cache.shape[1], cache.shape[0], max(bt.numel(), 1),
+            M, p0, p1, ctx, k_new.shape[0], qpos0, cache.shape[1], cache.shape[0], max(bt.numel(), 1),
             q.stride(0), q.stride(1), w.stride(0), k_new.stride(0), page_stride, out.stride(0),
             H=H, D=D, Q=quant_block_size, FP8=fp8, LOWP_DOT=lowp,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pad(D), num_warps=warps,
