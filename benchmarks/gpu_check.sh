@@ -33,6 +33,8 @@
 #               in its log tail; CSV, report and the measured rates in the tarball only,
 #               bench/dispatch_table_<device>.json gets a context_attention section)
 #   bench_gather (10 repetitions), bench_attention
+#   bench_sparse (--quick: DSA sparse prefill vs dense at 32K and 128K context, fp8_ds_mla
+#               + fp8 index cache, bytes/FLOPs vs the roofline; CSV in the tarball only)
 # Without a GPU (no nvidia-smi, or it lists none) it runs the CPU-side steps (build,
 # info, demo, benchmarks at CPU sizes). If nvidia-smi lists a GPU and torch cannot
 # initialise CUDA it stops at once with torch's error: no silent CPU run.
@@ -65,11 +67,12 @@ FAULTHANDLER_S=45              # pytest dumps every thread's stack after this lo
 # (tests/test_gpu_check_harness.py checks it). Benchmarks write rows as they go, so
 # a capped one still returns what it measured. bench_absorbed's 20 s (+ its 8 s of
 # kill grace and packing) came out of build 4, memcheck 4, demo 4, kv_b_proj 8,
-# gather 3 and attention 3.
-CAP_FACTS=15; CAP_BUILD=136; CAP_INFO=15
-CAP_CUDA=95; CAP_CUDA_FILE=90
-CAP_MEMCHECK=46; CAP_MEMCHECK_FILE=46
-CAP_DEMO=31; CAP_KVB=42; CAP_PREFILL=20; CAP_ABSORBED=20; CAP_GATHER=12; CAP_ATTENTION=12
+# gather 3 and attention 3. bench_sparse's 15 s (+ 8) came out of facts 4, cuda 5,
+# memcheck 4, demo 4 and kv_b_proj 6.
+CAP_FACTS=11; CAP_BUILD=136; CAP_INFO=15
+CAP_CUDA=90; CAP_CUDA_FILE=85
+CAP_MEMCHECK=42; CAP_MEMCHECK_FILE=42
+CAP_DEMO=27; CAP_KVB=36; CAP_PREFILL=20; CAP_ABSORBED=20; CAP_GATHER=12; CAP_ATTENTION=12; CAP_SPARSE=15
 # Test files of the C++/CUDA ops, for memcheck (their Triton cases are deselected).
 MEMCHECK_FILES="test_cache_ops.py test_cache_fp8.py test_attention_merge.py test_kv_b_proj_marlin.py"
 # CUDA test files run first in this order; any other file with a cuda mark follows.
@@ -450,6 +453,7 @@ if [ "$mode" = gpu ]; then
   step bench_absorbed bench_absorbed $CAP_ABSORBED 15 "$py" benchmarks/bench_absorbed.py --quick --out "${work:-W}/bench"
   step bench_gather bench_gather $CAP_GATHER 12 "$py" benchmarks/bench_gather.py --reps 10 --out "${work:-W}/bench"
   step bench_attention bench_attention $CAP_ATTENTION 12 "$py" benchmarks/bench_attention.py --out "${work:-W}/bench"
+  step bench_sparse bench_sparse $CAP_SPARSE 10 "$py" benchmarks/bench_sparse.py --quick --out "${work:-W}/bench"
 else
   record cuda "SKIPPED" 0 0 "no GPU"
   record memcheck "SKIPPED" 0 0 "no GPU"
@@ -459,10 +463,11 @@ else
   step bench_absorbed bench_absorbed $CAP_ABSORBED 15 "$py" benchmarks/bench_absorbed.py --quick --out "${work:-W}/bench"
   step bench_gather bench_gather $CAP_GATHER 12 "$py" benchmarks/bench_gather.py --quick --out "${work:-W}/bench"
   step bench_attention bench_attention $CAP_ATTENTION 12 "$py" benchmarks/bench_attention.py --quick --out "${work:-W}/bench"
+  step bench_sparse bench_sparse $CAP_SPARSE 10 "$py" benchmarks/bench_sparse.py --quick --out "${work:-W}/bench"
 fi
 
 if [ $plan -eq 1 ]; then
-  echo "PLAN end=$(elapsed) sum_of_caps=$((CAP_FACTS + CAP_BUILD + CAP_INFO + CAP_CUDA + CAP_MEMCHECK + CAP_DEMO + CAP_KVB + CAP_PREFILL + CAP_ABSORBED + CAP_GATHER + CAP_ATTENTION))"
+  echo "PLAN end=$(elapsed) sum_of_caps=$((CAP_FACTS + CAP_BUILD + CAP_INFO + CAP_CUDA + CAP_MEMCHECK + CAP_DEMO + CAP_KVB + CAP_PREFILL + CAP_ABSORBED + CAP_GATHER + CAP_ATTENTION + CAP_SPARSE))"
   exit 0
 fi
 record total "" "$(elapsed)" "$DEADLINE" "$failures step(s) failed"

@@ -73,6 +73,9 @@ class PoolPlan:
     # True when the budget would buy more than MAX_NUM_BLOCKS blocks and the
     # plan was clamped to the int32 block ids.
     block_id_limited: bool = False
+    # DSA layers' index-key caches (mla_ext/sparse/index_cache.py), same blocks, after the latent
+    # regions in the shared buffer (empty for dense models).
+    index_layers: tuple[LayerPlan, ...] = ()
 
     @property
     def tokens_capacity(self) -> int:
@@ -98,7 +101,27 @@ class PoolPlan:
             for p in self.layers
         ]
 
+    def allocate_all(self, device="cpu", shared: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(latent caches, index caches): `allocate`, and the index caches the same way."""
+        plans = self.layers + self.index_layers
+        if check_bool(shared, "shared"):
+            buf = torch.empty(self.bytes_used, dtype=torch.uint8, device=device)
+            views = [buf[p.offset: p.offset + p.bytes].view(p.dtype).as_strided(p.shape, p.strides) for p in plans]
+        else:
+            views = [torch.empty(p.bytes // p.dtype.itemsize, dtype=p.dtype, device=device)
+                     .as_strided(p.shape, p.strides) for p in plans]
+        return views[:len(self.layers)], views[len(self.layers):]
+
     def to_dict(self) -> dict:
+        out = self._to_dict()
+        if self.index_layers:
+            out["index_layers"] = [{"layer": p.layer_index, "format": p.format_name, "bytes_per_token":
+                                    p.bytes_per_token, "page_bytes": p.page_bytes, "shape": list(p.shape),
+                                    "dtype": _dtype_name(p.dtype), "bytes": p.bytes, "offset": p.offset}
+                                   for p in self.index_layers]
+        return out
+
+    def _to_dict(self) -> dict:
         return {
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
@@ -155,6 +178,11 @@ class PoolPlan:
         if self.block_id_limited:
             out.append(f"note:            capped at {MAX_NUM_BLOCKS:,} blocks (int32 block ids); "
                        "the rest of the budget is not used")
+        for first, last, p in _group(self.index_layers):
+            span = str(first) if first == last else f"{first}-{last}"
+            out.append(f"index cache:     layers {span}: {p.format_name}, {p.bytes_per_token:,} B/token, page "
+                       f"{p.page_bytes:,} B, [{', '.join(str(d) for d in p.shape)}] {_dtype_name(p.dtype)}, "
+                       f"{format_bytes(p.bytes)}/layer")
         return "\n".join(out)
 
 
@@ -192,12 +220,14 @@ def _layout(specs, pages, num_blocks):
 
 
 def plan_pool(
-    layer_specs, memory_bytes: int, alignment: int | None = None
+    layer_specs, memory_bytes: int, alignment: int | None = None, *, index_specs=()
 ) -> PoolPlan:
     """The most blocks every layer can have within `memory_bytes`.
 
     `alignment` rounds each layer's page up (the block stride grows; the cache
     tensor's shape does not). Raises ValueError when not even one block fits.
+    `index_specs`: the DSA layers' index caches (mla_ext.sparse.index_cache.IndexCacheSpec),
+    planned beside the latent pages (same block count and size; `PoolPlan.index_layers`).
     """
     if isinstance(layer_specs, (str, bytes)) or not hasattr(layer_specs, "__iter__"):
         raise ValueError(f"layer_specs: expected an iterable of LayerCacheSpec (see "
@@ -223,8 +253,10 @@ def plan_pool(
                  else repr(memory_bytes))
         raise ValueError(f"memory_bytes: expected an integer > 0 and <= {MAX_MEMORY_BYTES:,} "
                          f"(int64 bytes), got {shown}")
+    ispecs = _check_index_specs(index_specs, specs)
     pages = [s.page_bytes(alignment) for s in specs]
-    for s, page in zip(specs, pages):
+    ipages = [s.page_bytes(alignment) for s in ispecs]
+    for s, page in zip(specs + ispecs, pages + ipages):
         if page % s.storage_dtype.itemsize:
             raise ValueError(
                 f"alignment: {alignment} gives layer {s.layer_index} a {page}-byte page, not a "
@@ -235,17 +267,23 @@ def plan_pool(
     # from the per-block cost is at most a few blocks high; step down to fit.
     # At most MAX_NUM_BLOCKS (int32 block ids): the loop below and every later
     # use of the count are then bounded whatever the budget.
-    affordable = memory_bytes // sum(pages)
+    affordable = memory_bytes // sum(pages + ipages)
     num_blocks = min(affordable, MAX_NUM_BLOCKS)
-    while num_blocks > 0 and _layout(specs, pages, num_blocks)[2] > memory_bytes:
+    while num_blocks > 0 and _layout(specs, pages + ipages, num_blocks)[2] > memory_bytes:
         num_blocks -= 1
     if num_blocks == 0:
-        need = _layout(specs, pages, 1)[2]
+        need = _layout(specs, pages + ipages, 1)[2]
         raise ValueError(
             f"memory_bytes: {memory_bytes:,} bytes cannot hold even one block for "
             f"{len(specs)} layers ({need:,} bytes needed)"
         )
-    offsets, region_bytes, used = _layout(specs, pages, num_blocks)
+    offsets, region_bytes, used = _layout(specs, pages + ipages, num_blocks)
+    index_layers = tuple(
+        LayerPlan(layer_index=s.layer_index, format_name=f"index {s.format.name}",
+                  quant_mode="FP8_PER_TOKEN" if s.format.quantized else "NONE", skip_reason=None,
+                  bytes_per_token=s.bytes_per_token, page_bytes=page, shape=s.cache_shape(num_blocks),
+                  dtype=s.storage_dtype, bytes=size, offset=off)
+        for s, page, off, size in zip(ispecs, ipages, offsets[len(specs):], region_bytes[len(specs):]))
     # The cap, not the budget, decided the count.
     limited = affordable > MAX_NUM_BLOCKS and num_blocks == MAX_NUM_BLOCKS
     layers = tuple(
@@ -264,7 +302,27 @@ def plan_pool(
         for s, page, off, size in zip(specs, pages, offsets, region_bytes)
     )
     return PoolPlan(num_blocks, specs[0].block_size, layers, used, memory_bytes, alignment,
-                    block_id_limited=limited)
+                    block_id_limited=limited, index_layers=index_layers)
+
+
+def _check_index_specs(index_specs, specs) -> tuple:
+    from mla_ext.sparse.index_cache import IndexCacheSpec
+
+    if isinstance(index_specs, (str, bytes)) or not hasattr(index_specs, "__iter__"):
+        raise ValueError(f"index_specs: expected an iterable of IndexCacheSpec, got {type(index_specs).__name__}")
+    ispecs = tuple(index_specs)
+    if not all(isinstance(s, IndexCacheSpec) for s in ispecs):
+        raise ValueError("index_specs: expected IndexCacheSpec entries (mla_ext.sparse.index_cache)")
+    known = {s.layer_index for s in specs}
+    idx = [s.layer_index for s in ispecs]
+    if len(set(idx)) != len(idx) or not set(idx) <= known:
+        raise ValueError(f"index_specs: expected distinct layer indices among the latent layers' {sorted(known)}, "
+                         f"got {idx}")
+    bad = [s.block_size for s in ispecs if s.block_size != specs[0].block_size]
+    if bad:
+        raise ValueError(f"index_specs: block_size must be the latent cache's {specs[0].block_size} (block ids are "
+                         f"shared), got {bad[0]}")
+    return ispecs
 
 
 def plan_model(cache_config, model_config, memory_bytes: int, alignment: int | None = None):

@@ -106,7 +106,8 @@ def test_plan_runs_every_step_and_publishes_the_results(mode):
         assert memcheck == ["memcheck.test_cache_ops", "memcheck.test_cache_fp8", "memcheck.test_attention_merge",
                             "memcheck.test_kv_b_proj_marlin"]
         want += cuda + memcheck
-    want += ["demo", "bench_kv_b_proj", "bench_prefill", "bench_absorbed", "bench_gather", "bench_attention"]
+    want += ["demo", "bench_kv_b_proj", "bench_prefill", "bench_absorbed", "bench_gather", "bench_attention",
+             "bench_sparse"]
     assert steps == want
     final = [ln for ln in lines if "out_after" in ln][-1]["files"].split(",")
     assert set(final) == {"gpu_check.tar.gz", "summary.md", "kv_b_proj_crossovers.txt", "kv_b_proj.csv",

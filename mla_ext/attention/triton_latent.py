@@ -50,7 +50,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the install
     TRITON_IMPORT_ERROR: str | None = str(_exc)
 else:
     TRITON_IMPORT_ERROR = None
-    from mla_ext.triton_fp8 import e2m1_to_f32, e4m3_to_f32, e5m2_to_f32, launch_guard
+    from mla_ext.attention.latent_rows import load_latent_rows
+    from mla_ext.triton_fp8 import launch_guard
 
 LOG2E = 1.4426950408889634
 MODE_NATIVE, MODE_E4M3, MODE_E5M2, MODE_DS_MLA, MODE_NVFP4_DS_MLA = 0, 1, 2, 3, 4
@@ -112,6 +113,7 @@ if triton is not None:
         start = 0
         if HAS_STARTS:
             start = tl.load(st_ptr + b)
+        k_scale = 1.0
         if MODE == 1 or MODE == 2:
             k_scale = tl.load(ks_ptr)
             # Not checked on the host (that would sync): an invalid scale gives NaN rows.
@@ -133,51 +135,11 @@ if triton is not None:
             blk = tl.where(ok, blk, 0).to(tl.int64)
             slot = tl.where(ok, tok % block_size, 0).to(tl.int64)
             row = blk * c_blk + slot * c_ent  # element offset of the token's entry
-            ok2 = ok[:, None]
 
             # -- the tile's latent rows kv [BLOCK_N, BLOCK_L] and k_pe [BLOCK_N, BLOCK_R], fp32 --
             # (rows are contiguous: the launcher refuses other column strides)
-            if MODE == 3:
-                byte = tl.load(c_ptr + row[:, None] + cols[None, :], mask=ok2, other=0)
-                # The 4 fp32 tile scales through a 4-byte view (rows sit at 4-byte multiples),
-                # broadcast over their 128 values.
-                sc = tl.load(c32_ptr + (row // 4)[:, None] + 128 + tl.arange(0, 4)[None, :], mask=ok2, other=0.0)
-                vals = tl.reshape(e4m3_to_f32(byte.to(tl.int32)), (BLOCK_N, 4, 128))
-                kv = tl.reshape(vals * sc[:, :, None], (BLOCK_N, BLOCK_L))
-                kv = tl.where(ok2, kv, 0.0)
-                if BLOCK_R > 0:
-                    pe = tl.load(c16_ptr + (row // 2)[:, None] + (264 + rc)[None, :], mask=ok2 & rc_mask[None, :],
-                                 other=0.0).to(tl.float32)
-            elif MODE == 4:
-                # 256 bytes of e2m1 pairs: element 2j in the low nibble of byte j.
-                byte = tl.load(c_ptr + row[:, None] + tl.arange(0, 256)[None, :], mask=ok2, other=0).to(tl.int32)
-                lo = e2m1_to_f32(byte & 0xF)
-                hi = e2m1_to_f32(byte >> 4)
-                vals = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32, 16))
-                # The 32 e4m3 block scales at their permuted bytes, broadcast over 16 values.
-                g = tl.arange(0, 32)
-                sb = tl.load(c_ptr + row[:, None] + (320 + 8 * (g & 3) + (g >> 2))[None, :], mask=ok2, other=0)
-                kv = tl.reshape(vals * e4m3_to_f32(sb.to(tl.int32))[:, :, None], (BLOCK_N, BLOCK_L))
-                kv = tl.where(ok2, kv, 0.0)
-                if BLOCK_R > 0:
-                    pb = tl.load(c_ptr + row[:, None] + (256 + rc)[None, :], mask=ok2 & rc_mask[None, :], other=0)
-                    pe = tl.where(ok2, e4m3_to_f32(pb.to(tl.int32)), 0.0)
-            else:
-                x = tl.load(c_ptr + row[:, None] + cols[None, :], mask=ok2 & l_mask[None, :], other=0)
-                if BLOCK_R > 0:
-                    y = tl.load(c_ptr + row[:, None] + (L + rc)[None, :], mask=ok2 & rc_mask[None, :], other=0)
-                if MODE == 1:
-                    kv = tl.where(ok2, e4m3_to_f32(x.to(tl.int32)) * k_scale, 0.0)
-                    if BLOCK_R > 0:
-                        pe = tl.where(ok2, e4m3_to_f32(y.to(tl.int32)) * k_scale, 0.0)
-                elif MODE == 2:
-                    kv = tl.where(ok2, e5m2_to_f32(x.to(tl.int32)) * k_scale, 0.0)
-                    if BLOCK_R > 0:
-                        pe = tl.where(ok2, e5m2_to_f32(y.to(tl.int32)) * k_scale, 0.0)
-                else:
-                    kv = x.to(tl.float32)
-                    if BLOCK_R > 0:
-                        pe = y.to(tl.float32)
+            kv, pe = load_latent_rows(c_ptr, c32_ptr, c16_ptr, row, ok, k_scale, L, R, MODE, BLOCK_N, BLOCK_L,
+                                      BLOCK_R)
             if LOWP_DOT:
                 kv = kv.to(q.dtype)  # the rounding the gather's workspace would apply
                 if BLOCK_R > 0:

@@ -226,6 +226,7 @@ class MLAPrefill:
         context_parallel: ContextParallel | None = None,
         validate: bool | None = None,
         context_attention: str = "auto",
+        sparse=None,
     ):
         """`validate`: the block-id range check of `forward` (module docstring):
         True always (a host sync on a GPU), False never, None (default) only when
@@ -283,6 +284,17 @@ class MLAPrefill:
             self.softmax_scale_source = (f"given by the caller (the model config says "
                                          f"{model.softmax_scale:.5f})")
         self.context_attention = ContextAttention(self, context_attention)
+        # DSA (mla_ext/sparse/layer.py): a SparseConfig makes this layer attend only the tokens
+        # its indexer selects; None (dense families) keeps every path above unchanged.
+        from mla_ext.sparse.layer import SparseConfig
+
+        if sparse is not None and not isinstance(sparse, SparseConfig):
+            raise ValueError(f"sparse: expected an mla_ext.sparse.layer.SparseConfig or None, got "
+                             f"{type(sparse).__name__}")
+        if sparse is not None and context_parallel is not None:
+            raise ValueError("sparse: the sparse (DSA) path does not support context parallelism yet "
+                             "(its selected positions index the whole context); pass context_parallel=None")
+        self.sparse = sparse
 
     # -- plan ----------------------------------------------------------------
     @property
@@ -335,6 +347,8 @@ class MLAPrefill:
                          "activations, up_project chunks and the new tokens the quantized activations above: "
                          "the two context paths differ by that quantization (about 2e-2 per layer on random "
                          "data; context_attention='up_project' makes every chunk quantize alike)")
+        if self.sparse is not None:
+            lines.append(f"  {self.sparse.describe()}")
         return "\n".join(lines)
 
     def explain_context(self, metadata: "PrefillMetadata", device: torch.device | str | None = None) -> str:
@@ -612,8 +626,12 @@ class MLAPrefill:
     def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
                 metadata: PrefillMetadata, clock=None, *, k_scale: Tensor | None = None,
                 workspace: Tensor | None = None, validate: bool | None = None,
-                attention_scratch: AttentionScratch | None = None) -> Tensor:
+                attention_scratch: AttentionScratch | None = None, index=None) -> Tensor:
         """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V].
+
+        `index`: a sparse layer's indexer inputs (mla_ext.sparse.layer.IndexInputs) or a selection
+        made before (int32 [T, K]), needed once some request has more than index_topk tokens
+        (context + new); ignored by dense layers.
 
         `k_scale`: this layer's per-tensor fp32 K scale [1] (per-tensor fp8 layers;
         K scales are per layer). Defaults to `metadata.k_scale`, which one batch's
@@ -660,6 +678,14 @@ class MLAPrefill:
                 raise ValueError(f"{name}: expected device {q.device} (as q), got {x.device}")
         self.check_cache(kv_cache)
         self._check_table(metadata, kv_cache, self.validate if validate is None else validate)
+        if self.sparse is not None and self.sparse.drops(metadata.context_lens, metadata.query_lens):
+            if index is None:
+                raise ValueError(f"index: layer {self.layer_index} is sparse (index_topk="
+                                 f"{self.sparse.index_topk}) and a request has more tokens than that; "
+                                 "pass the indexer's inputs (mla_ext.sparse.layer.IndexInputs)")
+            from mla_ext.sparse.layer import sparse_forward
+
+            return sparse_forward(self, q, kv_c_normed, k_pe, kv_cache, metadata, index, k_scale)
         device, dtype = q.device, q.dtype
         cu_q = metadata.cu_seqlens_q(device)
         max_q = max(metadata.query_lens, default=0)

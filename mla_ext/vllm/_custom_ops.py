@@ -477,3 +477,9 @@ if "nvfp4_ds_mla" in formats.ALL_NAMES:
         _check_upconvert(_NVFP4_UPCONVERT, src_cache, dst, block_table, workspace_starts, batch_size, None)
 
     OPS += (cp_gather_and_upconvert_nvfp4_kv_cache,)
+
+# The DSA indexer-cache ops (mla_ext/vllm/_indexer_ops.py): vLLM 0.33's names for the sparse path.
+from mla_ext.vllm._indexer_ops import (  # noqa: E402,F401
+    cp_gather_indexer_k_quant_cache,
+    indexer_k_quant_and_cache,
+)

@@ -1,0 +1,83 @@
+"""The Triton loader that decodes latent cache rows of every format, shared by the absorbed
+context kernel (triton_latent.py: a contiguous range of a request's context) and the sparse
+kernel (mla_ext/sparse/triton_sparse.py: a per-query list of token positions).
+
+`row` is each token's element offset into the cache (block * block stride + slot * entry
+stride, in the cache's element type) and `ok` whether the token may be read; rows not ok
+decode to zero. Modes (triton_latent.MODE_*):
+
+  0 NATIVE        bf16 / fp16 / fp32 rows [kv_c | k_pe]
+  1 / 2 E4M3/E5M2 per-tensor fp8 bytes x k_scale
+  3 DS_MLA        fp8_ds_mla: 4 x 128 e4m3 x their fp32 tile scale (read through c32_ptr, a
+                  4-byte view of the cache); 64 bf16 k_pe (through c16_ptr)
+  4 NVFP4_DS_MLA  e2m1 nibbles x the e4m3 scale of their 16-value block; 64 e4m3 k_pe
+
+Returns (kv [BLOCK_N, BLOCK_L], pe [BLOCK_N, BLOCK_R]) in fp32 (pe is kv, unused, when
+BLOCK_R == 0). The DS_MLA / NVFP4 byte offsets are literals checked against formats.py in
+triton_latent.py.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mla_ext.triton_fp8 import e2m1_to_f32, e4m3_to_f32, e5m2_to_f32
+
+
+@triton.jit
+def load_latent_rows(c_ptr, c32_ptr, c16_ptr, row, ok, k_scale, L: tl.constexpr, R: tl.constexpr,
+                     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    cols = tl.arange(0, BLOCK_L)
+    l_mask = cols < L
+    ok2 = ok[:, None]
+    if MODE == 3:
+        byte = tl.load(c_ptr + row[:, None] + cols[None, :], mask=ok2, other=0)
+        # The 4 fp32 tile scales through a 4-byte view (rows sit at 4-byte multiples),
+        # broadcast over their 128 values.
+        sc = tl.load(c32_ptr + (row // 4)[:, None] + 128 + tl.arange(0, 4)[None, :], mask=ok2, other=0.0)
+        vals = tl.reshape(e4m3_to_f32(byte.to(tl.int32)), (BLOCK_N, 4, 128))
+        kv = tl.reshape(vals * sc[:, :, None], (BLOCK_N, BLOCK_L))
+        kv = tl.where(ok2, kv, 0.0)
+        pe = kv
+        if BLOCK_R > 0:
+            rc = tl.arange(0, BLOCK_R)
+            pe = tl.load(c16_ptr + (row // 2)[:, None] + (264 + rc)[None, :], mask=ok2 & (rc < R)[None, :],
+                         other=0.0).to(tl.float32)
+    elif MODE == 4:
+        # 256 bytes of e2m1 pairs: element 2j in the low nibble of byte j.
+        byte = tl.load(c_ptr + row[:, None] + tl.arange(0, 256)[None, :], mask=ok2, other=0).to(tl.int32)
+        lo = e2m1_to_f32(byte & 0xF)
+        hi = e2m1_to_f32(byte >> 4)
+        vals = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32, 16))
+        # The 32 e4m3 block scales at their permuted bytes, broadcast over 16 values.
+        g = tl.arange(0, 32)
+        sb = tl.load(c_ptr + row[:, None] + (320 + 8 * (g & 3) + (g >> 2))[None, :], mask=ok2, other=0)
+        kv = tl.reshape(vals * e4m3_to_f32(sb.to(tl.int32))[:, :, None], (BLOCK_N, BLOCK_L))
+        kv = tl.where(ok2, kv, 0.0)
+        pe = kv
+        if BLOCK_R > 0:
+            rc = tl.arange(0, BLOCK_R)
+            pb = tl.load(c_ptr + row[:, None] + (256 + rc)[None, :], mask=ok2 & (rc < R)[None, :], other=0)
+            pe = tl.where(ok2, e4m3_to_f32(pb.to(tl.int32)), 0.0)
+    else:
+        x = tl.load(c_ptr + row[:, None] + cols[None, :], mask=ok2 & l_mask[None, :], other=0)
+        pe = x
+        if BLOCK_R > 0:
+            rc = tl.arange(0, BLOCK_R)
+            y = tl.load(c_ptr + row[:, None] + (L + rc)[None, :], mask=ok2 & (rc < R)[None, :], other=0)
+        if MODE == 1:
+            kv = tl.where(ok2, e4m3_to_f32(x.to(tl.int32)) * k_scale, 0.0)
+            pe = kv
+            if BLOCK_R > 0:
+                pe = tl.where(ok2, e4m3_to_f32(y.to(tl.int32)) * k_scale, 0.0)
+        elif MODE == 2:
+            kv = tl.where(ok2, e5m2_to_f32(x.to(tl.int32)) * k_scale, 0.0)
+            pe = kv
+            if BLOCK_R > 0:
+                pe = tl.where(ok2, e5m2_to_f32(y.to(tl.int32)) * k_scale, 0.0)
+        else:
+            kv = x.to(tl.float32)
+            pe = kv
+            if BLOCK_R > 0:
+                pe = y.to(tl.float32)
+    return kv, pe

@@ -1,0 +1,136 @@
+"""DSA in the layer: `MLAPrefill(..., sparse=SparseConfig)` runs a sparse family sparse.
+
+A sparse family's config carries `index_topk`, `index_n_heads`, `index_head_dim`
+(DeepSeek-V3.2, GLM-5 `glm_moe_dsa`); `SparseConfig.from_config` reads them (None for a
+dense family, which stays dense). `forward(..., index=IndexInputs(...))` then:
+
+  1. selects, per new token, the index_topk positions of its request's index space
+     (context then new tokens) with the chunked indexer (mla_ext/sparse/topk.py), the
+     context's indexer keys read from this layer's paged index cache (same block table as
+     the latent cache: a block id names both pages);
+  2. absorbs the queries through W_UK, attends exactly the selected positions straight from
+     the paged latent cache (mla_ext/sparse/sparse_attention.py, any cache format; new
+     positions from the new tokens' own rows), un-absorbs through W_UV.
+
+When no request has more than index_topk tokens (context + new) nothing would be dropped and
+the dense path is the same computation (tests prove it), so the layer runs dense and the
+indexer inputs are not needed; past that, a sparse layer without `index` is an error, never
+a silent dense answer. `index` may instead be a selection made before (int32 [T, K],
+request-local positions, -1 padded: `layer.last_selection` of another layer), which a GLM-5
+"shared" layer reuses from the previous full layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mla_ext.sparse.index_cache import get_index_format
+from mla_ext.sparse.sparse_attention import sparse_latent_attention
+from mla_ext.sparse.topk import DEFAULT_CHUNK, indexer_topk
+
+SPARSE_KEYS = ("index_topk", "index_n_heads", "index_head_dim")
+# model_type -> whether the indexer pairs its RoPE dims interleaved (the families with parity tests).
+ROPE_INTERLEAVED = {"deepseek_v32": False, "glm_moe_dsa": True}
+
+
+def _pos_int(v, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    rope_interleaved: bool | None = None  # the indexer's RoPE pairing (the layer takes rotated inputs)
+    index_cache_dtype: str = "bfloat16"
+    chunk: int = DEFAULT_CHUNK  # indexer keys scored per step (bounds the top-k workspace)
+
+    def __post_init__(self):
+        for k in SPARSE_KEYS + ("chunk",):
+            _pos_int(getattr(self, k), k)
+        get_index_format(self.index_cache_dtype)
+
+    @classmethod
+    def from_config(cls, raw, **overrides) -> "SparseConfig | None":
+        """From a model config (dict or transformers config); None when it has no indexer."""
+        if not isinstance(raw, dict):
+            raw = raw.to_dict() if hasattr(raw, "to_dict") else vars(raw)
+        present = [k for k in SPARSE_KEYS if raw.get(k) is not None]
+        if not present:
+            return None
+        if len(present) != len(SPARSE_KEYS):
+            raise ValueError(f"model config: a sparse (DSA) config needs all of {SPARSE_KEYS}, has only {present}")
+        kw = {k: raw[k] for k in SPARSE_KEYS}
+        kw["rope_interleaved"] = ROPE_INTERLEAVED.get(raw.get("model_type"))
+        kw.update(overrides)
+        return cls(**kw)
+
+    def drops(self, context_lens, query_lens) -> bool:
+        """Whether some request with new tokens has more tokens than index_topk (the indexer then
+        drops some)."""
+        return any(q > 0 and c + q > self.index_topk for c, q in zip(context_lens, query_lens))
+
+    def describe(self) -> str:
+        rope = {None: "rope pairing not stated", False: "half-split rope", True: "interleaved rope"}
+        return (f"sparse (DSA): index_topk={self.index_topk}, indexer {self.index_n_heads} heads x "
+                f"{self.index_head_dim} ({rope[self.rope_interleaved]}), index cache {self.index_cache_dtype} "
+                f"({get_index_format(self.index_cache_dtype).bytes_per_token(self.index_head_dim, self.index_head_dim)}"
+                f" B/token), chunked top-k over {self.chunk} keys; dense while context + new <= index_topk")
+
+
+@dataclass
+class IndexInputs:
+    """The new tokens' indexer inputs (RoPE applied) and the layer's paged index cache."""
+    q: Tensor  # [T, H, D]
+    weights: Tensor  # [T, H]: weights_proj(hidden) * H^-0.5 * D^-0.5
+    k: Tensor  # [T, D]
+    cache: Tensor | None  # [num_blocks, B, D or D + 4D/Q] in SparseConfig.index_cache_dtype
+
+
+def indexer_backend(q: Tensor) -> str:
+    """The indexer's scorer: Triton on CUDA (reads the paged index cache directly), torch elsewhere."""
+    if q.device.type != "cuda":
+        return "torch"
+    from mla_ext.sparse import triton_indexer
+
+    return "torch" if triton_indexer.not_supported_reasons(q) else "triton"
+
+
+def sparse_forward(layer, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor, metadata,
+                   index: IndexInputs, k_scale: Tensor | None) -> Tensor:
+    """[T, N, V]: the sparse layer's output (arguments already checked by MLAPrefill.forward)."""
+    from mla_ext.prefill.absorbed import absorb_queries, absorbed_weights, unabsorb
+
+    cfg, m = layer.sparse, layer.model
+    T, dev = q.shape[0], q.device
+    ctx, qls = list(metadata.context_lens), list(metadata.query_lens)
+    if isinstance(index, Tensor):  # a selection made before (GLM-5's "shared" layers reuse the last full one's)
+        if index.dim() != 2 or index.shape[0] != T or index.dtype not in (torch.int32, torch.int64) \
+                or index.device != dev:
+            raise ValueError(f"index: a selection must be int32 [T={T}, K] on {dev}, got {index.dtype} "
+                             f"{tuple(index.shape)} on {index.device}")
+        sel = index
+    elif isinstance(index, IndexInputs):
+        H, D = cfg.index_n_heads, cfg.index_head_dim
+        if tuple(index.q.shape) != (T, H, D) or tuple(index.weights.shape) != (T, H) \
+                or tuple(index.k.shape) != (T, D):
+            raise ValueError(f"index: expected q [{T}, {H}, {D}], weights [{T}, {H}], k [{T}, {D}]; got "
+                             f"{tuple(index.q.shape)}, {tuple(index.weights.shape)}, {tuple(index.k.shape)}")
+        sel = indexer_topk(index.q, index.weights, index.k, index.cache, metadata.block_table, qls, ctx,
+                           cfg.index_topk, index_cache_dtype=cfg.index_cache_dtype, chunk=cfg.chunk,
+                           backend=indexer_backend(index.q))
+    else:
+        raise ValueError(f"index: expected mla_ext.sparse.layer.IndexInputs or a selection tensor, got "
+                         f"{type(index).__name__}")
+    w_uk, w_uv_t = absorbed_weights(layer.kv_b_proj, m.num_heads, m.P, m.V, q.dtype, dev)
+    q_lat = absorb_queries(q[..., :m.P], w_uk)
+    scale = layer._k_scale(k_scale if k_scale is not None else metadata.k_scale, dev)
+    o_lat, _ = sparse_latent_attention(q_lat, q[..., m.P:], kv_cache, layer.kv_cache_dtype, metadata.block_table,
+                                       sel, kv_c_normed, k_pe, scale, layer.softmax_scale, q_lens=qls, ctx_lens=ctx)
+    layer.last_selection = sel  # for inspection and tests
+    return unabsorb(o_lat, w_uv_t)

@@ -1,0 +1,187 @@
+"""Sparse latent attention (DSA) straight from the paged cache: absorbed queries attend a
+per-query list of token positions (request-local index space, mla_ext/sparse/reference.py),
+context positions from the paged latent cache in any format, new positions from the new
+tokens' own latent rows; LSE natural-log [N, T].
+
+Backends (`SPARSE` dispatcher; force with `SPARSE.force(name)` or
+MLA_EXT_FORCE_SPARSE_LATENT_ATTENTION=name):
+  triton  mla_ext/sparse/triton_sparse.py, decoding every format in its loader; CUDA, or
+          the CPU under TRITON_INTERPRET=1 only when forced (the interpreter is for tests);
+  torch   per block of queries, fetch the block's distinct selected cache entries
+          (cache[block, slot]) once, decode them with mla_ext.cache.reference.decode_cache_rows
+          (every format), fp32 matmuls; the workspace is bounded by `MAX_ROW_BYTES` whatever
+          the context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mla_ext.attention import triton_latent as TL
+from mla_ext.cache.reference import decode_cache_rows
+from mla_ext.dispatch import Backend, Dispatcher
+from mla_ext.formats import QuantMode, get_format
+
+MAX_ROW_BYTES = 64 << 20  # torch backend: decoded rows per query block
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class SparseInputs:
+    q_lat: Tensor  # [N, T, L]
+    q_pe: Tensor  # [T, N, R]
+    kv_cache: Tensor
+    kv_cache_dtype: str
+    block_table: Tensor  # [num_reqs, max_blocks] int32
+    indices: Tensor  # [T, K] int32
+    q_lens: tuple[int, ...]
+    ctx_lens: tuple[int, ...]
+    new_kv_c: Tensor  # [T, L]
+    new_k_pe: Tensor  # [T, R]
+    k_scale: Tensor | None
+    softmax_scale: float
+
+    @property
+    def device(self) -> torch.device:
+        return self.q_lat.device
+
+
+def _triton_reasons(x: SparseInputs) -> list[str]:
+    if x.device.type == "cpu" and SPARSE._forced_name() != "triton":
+        return ["input is on the CPU: the Triton interpreter runs only when this backend is forced"]
+    return TL.not_supported_reasons(x.kv_cache, x.q_lat, x.kv_cache_dtype)
+
+
+def _host_meta(x: SparseInputs):
+    dev = x.device
+    cu = [0]
+    for n in x.q_lens:
+        cu.append(cu[-1] + n)
+    tok_req = torch.repeat_interleave(torch.arange(len(x.q_lens)), torch.tensor(x.q_lens, dtype=torch.int64))
+    return (tok_req.to(torch.int32).to(dev), torch.tensor(x.ctx_lens, dtype=torch.int32, device=dev),
+            torch.tensor(cu, dtype=torch.int32, device=dev), cu)
+
+
+def _alloc(x: SparseInputs) -> tuple[Tensor, Tensor]:
+    N, T, L = x.q_lat.shape
+    return (torch.empty(N, T, L, dtype=x.q_lat.dtype, device=x.device),
+            torch.empty(N, T, dtype=torch.float32, device=x.device))
+
+
+def _triton_run(x: SparseInputs) -> tuple[Tensor, Tensor]:
+    from mla_ext.sparse.triton_sparse import sparse_latent_attention_triton
+
+    out, lse = _alloc(x)
+    tok_req, ctx, cuq, _ = _host_meta(x)
+    sparse_latent_attention_triton(x.q_lat, x.q_pe, x.kv_cache, x.kv_cache_dtype, x.block_table, x.indices, tok_req,
+                                   ctx, cuq, x.new_kv_c, x.new_k_pe, x.k_scale, x.softmax_scale, out, lse)
+    return out, lse
+
+
+def _rows(x: SparseInputs, t0: int, t1: int, tok_req: Tensor, cu: list[int]) -> tuple[Tensor, Tensor]:
+    """(decoded rows [t1-t0, K, L+R] fp32, valid [t1-t0, K]) for queries t0..t1."""
+    idx = x.indices[t0:t1].to(torch.int64)
+    req = tok_req[t0:t1].to(torch.int64)[:, None].expand_as(idx)
+    ctx = torch.tensor(x.ctx_lens, dtype=torch.int64, device=idx.device)[req]
+    qlen = torch.tensor(x.q_lens, dtype=torch.int64, device=idx.device)[req]
+    valid = (idx >= 0) & (idx < ctx + qlen)
+    in_ctx = valid & (idx < ctx)
+    B, nb, width = x.kv_cache.shape[1], x.kv_cache.shape[0], x.block_table.shape[1]
+    lblk = torch.where(in_ctx, idx // B, 0)
+    in_table = in_ctx & (lblk < width)
+    blk = torch.where(in_table, x.block_table.to(torch.int64)[req, lblk.clamp_max(max(width - 1, 0))]
+                      if width else torch.zeros_like(idx), -1)
+    ok = in_table & (blk >= 0) & (blk < nb)
+    # Queries of a block share most of their positions: decode each cache entry once.
+    slot = torch.where(ok, blk * B + idx % B, 0)
+    uniq, inv = torch.unique(slot, return_inverse=True)
+    raw = x.kv_cache[uniq // B, uniq % B]  # [U, entry]
+    L, R = x.q_lat.shape[-1], x.q_pe.shape[-1]
+    dec = decode_cache_rows(raw, x.kv_cache_dtype, x.k_scale)[:, :L + R][inv]  # [tq, K, L+R]
+    dec = torch.where(ok[..., None], dec, 0.0)
+    is_new = valid & (idx >= ctx)
+    start = torch.tensor(cu[:-1], dtype=torch.int64, device=idx.device)[req]
+    nrow = torch.where(is_new, start + idx - ctx, 0)
+    new = torch.cat([x.new_kv_c[nrow].float(), x.new_k_pe[nrow][..., :R].float()], dim=-1)
+    return torch.where(is_new[..., None], new, dec), valid
+
+
+def _torch_run(x: SparseInputs) -> tuple[Tensor, Tensor]:
+    out, lse = _alloc(x)
+    N, T, L = x.q_lat.shape
+    K = x.indices.shape[1]
+    tok_req, _, _, cu = _host_meta(x)
+    step = max(1, MAX_ROW_BYTES // max(1, K * (L + x.q_pe.shape[-1]) * 4))
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        rows, valid = _rows(x, t0, t1, tok_req, cu)  # [tq, K, L+R], [tq, K]
+        s = torch.einsum("ntl,tkl->ntk", x.q_lat[:, t0:t1].float(), rows[..., :L])
+        if x.q_pe.shape[-1]:
+            s += torch.einsum("tnr,tkr->ntk", x.q_pe[t0:t1].float(), rows[..., L:])
+        s = (s * x.softmax_scale).masked_fill(~valid[None], float("-inf"))
+        ls = torch.logsumexp(s, dim=-1)  # [N, tq]; -inf for a query with no key
+        p = torch.exp(s - torch.where(torch.isinf(ls), 0.0, ls)[..., None])
+        out[:, t0:t1] = torch.einsum("ntk,tkl->ntl", p, rows[..., :L]).to(out.dtype)
+        lse[:, t0:t1] = ls
+    return out, lse
+
+
+SPARSE = Dispatcher(
+    "sparse_latent_attention",
+    [
+        Backend("triton", _triton_reasons, _triton_run),
+        Backend("torch", lambda x: [], _torch_run),
+    ],
+)
+
+
+def _lens(values, name: str) -> tuple[int, ...]:
+    _check(isinstance(values, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                     for v in values),
+           f"{name}: expected host non-negative ints, one per request, got {values!r}")
+    return tuple(values)
+
+
+def sparse_latent_attention(
+    q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, kv_cache_dtype: str, block_table: Tensor, indices: Tensor,
+    new_kv_c: Tensor, new_k_pe: Tensor, k_scale: Tensor | None, softmax_scale: float, *, q_lens, ctx_lens,
+) -> tuple[Tensor, Tensor]:
+    """(o_lat [N, T, L] q_lat's dtype, lse [N, T] float32): token t attends exactly indices[t]
+    (int32 [T, K], request-local positions, -1 = none; positions past ctx + q_len are no key).
+
+    q_lat [N, T, L] absorbed q_nope; q_pe [T, N, R]; kv_cache [num_blocks, B, entry] in
+    `kv_cache_dtype`; block_table int32 [num_reqs, max_blocks]; new_kv_c [T, L], new_k_pe
+    [T, R] the new tokens' latent rows; k_scale fp32 [1] for per-tensor fp8 formats;
+    q_lens / ctx_lens host ints per request."""
+    q_lens, ctx_lens = _lens(q_lens, "q_lens"), _lens(ctx_lens, "ctx_lens")
+    _check(q_lat.dim() == 3, f"q_lat: expected [N, T, L], got {tuple(q_lat.shape)}")
+    N, T, L = q_lat.shape
+    _check(len(q_lens) == len(ctx_lens) and sum(q_lens) == T,
+           f"q_lens / ctx_lens: expected one entry per request, q_lens summing to T={T}; got {q_lens}, {ctx_lens}")
+    _check(q_pe.dim() == 3 and q_pe.shape[:2] == (T, N), f"q_pe: expected [T={T}, N={N}, R], got {tuple(q_pe.shape)}")
+    R = q_pe.shape[2]
+    _check(indices.dim() == 2 and indices.shape[0] == T and indices.dtype in (torch.int32, torch.int64),
+           f"indices: expected int32 [T={T}, K], got {indices.dtype} {tuple(indices.shape)}")
+    _check(new_kv_c.shape == (T, L) and new_k_pe.dim() == 2 and new_k_pe.shape[0] == T and new_k_pe.shape[1] >= R,
+           f"new_kv_c / new_k_pe: expected [T={T}, L={L}] / [T, R={R}], got {tuple(new_kv_c.shape)} / "
+           f"{tuple(new_k_pe.shape)}")
+    _check(block_table.dim() == 2 and block_table.shape[0] >= len(q_lens),
+           f"block_table: expected [>= {len(q_lens)}, max_blocks], got {tuple(block_table.shape)}")
+    fmt = get_format(kv_cache_dtype)
+    fmt.check_dims(L, R)
+    _check(kv_cache.dim() == 3, f"kv_cache: expected [num_blocks, block_size, entry], got {tuple(kv_cache.shape)}")
+    if fmt.quant_mode == QuantMode.FP8_PER_TENSOR:
+        _check(isinstance(k_scale, Tensor) and k_scale.numel() == 1,
+               f"k_scale: {fmt.name!r} needs a float32 tensor of 1 element")
+    for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("block_table", block_table), ("indices", indices),
+                    ("new_kv_c", new_kv_c), ("new_k_pe", new_k_pe)):
+        _check(t.device == q_lat.device, f"{name}: expected device {q_lat.device} (q_lat's), got {t.device}")
+    x = SparseInputs(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, indices, q_lens, ctx_lens, new_kv_c,
+                     new_k_pe, k_scale, float(softmax_scale))
+    return SPARSE(x)
