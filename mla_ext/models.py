@@ -38,6 +38,23 @@ _DTYPE_NAMES = {
 
 
 @dataclass(frozen=True)
+class LayerDims:
+    """One layer's own attention dims, where they differ from the model's
+    (dots3_note's sliding-window layers: another L, P and head count;
+    mistral_large4's no-rope layers: R = 0 with the rope width moved into P).
+    `num_heads` counts the heads the config computes (one rank's after `shard`);
+    `softmax_scale` None: that layer's base (P+R)^-0.5."""
+
+    L: int
+    R: int
+    P: int
+    V: int
+    num_heads: int
+    softmax_scale: float | None = None
+    softmax_scale_source: str = ""
+
+
+@dataclass(frozen=True)
 class MLAModelConfig:
     """The dimensions of one MLA model (symbols as in SPEC §0) and the attention
     math that comes from its config: the softmax scale (SPEC §10) and the model dtype,
@@ -64,6 +81,12 @@ class MLAModelConfig:
     dtype_source: str = "given"
     tp_size: int = 1
     tp_rank: int = 0
+    # Per-layer dims where a layer differs from the fields above: a dict
+    # {layer: LayerDims} (kept as sorted (layer, LayerDims) pairs, hashable).
+    layer_dims: tuple = ()
+    # Layers that keep no KV of their own and read another layer's cache
+    # (mistral_large4's KV sharing): {layer: source layer}, as sorted pairs.
+    kv_source_layers: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -109,6 +132,55 @@ class MLAModelConfig:
                 f"[0, {self.num_layers}); got {bad}"
             )
         object.__setattr__(self, "sliding_window_layers", layers)
+        object.__setattr__(self, "layer_dims", self._layer_pairs("layer_dims", self.layer_dims))
+        for i, d in self.layer_dims:
+            if not isinstance(d, LayerDims):
+                raise ValueError(f"{self.name}: layer_dims[{i}] must be a LayerDims; got "
+                                 f"{type(d).__name__}")
+            for arg in ("L", "P", "V", "num_heads"):
+                _check_int(f"layer_dims[{i}].{arg}", getattr(d, arg), minimum=1, where=self.name)
+            _check_int(f"layer_dims[{i}].R", d.R, minimum=0, where=self.name)
+        src = self._layer_pairs("kv_source_layers", self.kv_source_layers)
+        for i, j in src:
+            if not _is_int(j) or not 0 <= j < self.num_layers or j == i or j in dict(src):
+                raise ValueError(f"{self.name}: kv_source_layers[{i}] must name another layer "
+                                 f"that keeps its own KV; got {_short(j)}")
+        object.__setattr__(self, "kv_source_layers", src)
+
+    def _layer_pairs(self, arg: str, value) -> tuple:
+        """A {layer: x} dict (or pairs) as sorted pairs, every layer in range."""
+        try:
+            pairs = sorted((value.items() if isinstance(value, dict) else value), key=lambda p: p[0])
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.name}: {arg} must be a dict {{layer: ...}}; got "
+                             f"{_short(value)}") from None
+        bad = [i for i, _ in pairs if not _is_int(i) or not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"{self.name}: {arg} keys must be layer indices in "
+                             f"[0, {self.num_layers}); got {bad}")
+        return tuple((i, x) for i, x in pairs)
+
+    @property
+    def has_layer_dims(self) -> bool:
+        """True when some layer's dims differ from the model's (see `for_layer`)."""
+        return bool(self.layer_dims)
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose cache `layer` reads (KV sharing), or None: its own."""
+        return dict(self.kv_source_layers).get(layer)
+
+    def for_layer(self, layer: int) -> "MLAModelConfig":
+        """This model as one layer sees it: that layer's L, R, P, V, heads and
+        softmax scale (the model's own where the layer has no LayerDims entry)."""
+        d = dict(self.layer_dims).get(layer)
+        if d is None:
+            return self if not self.layer_dims else replace(self, layer_dims=())
+        scale, source = d.softmax_scale, d.softmax_scale_source
+        if scale is None:
+            base = base_scale(d.P, d.R)
+            scale, source = base.value, f"{base.source}, layer {layer}'s own dims"
+        return replace(self, L=d.L, R=d.R, P=d.P, V=d.V, num_heads=d.num_heads, layer_dims=(),
+                       softmax_scale=scale, softmax_scale_source=source or f"layer {layer}")
 
     @property
     def E(self) -> int:
@@ -134,7 +206,13 @@ class MLAModelConfig:
                              f"got {tp_size}")
         if rank >= tp_size:
             raise ValueError(f"{self.name}: rank must be in [0, {tp_size}); got {rank}")
-        return replace(self, num_heads=self.num_heads // tp_size, tp_size=tp_size, tp_rank=rank)
+        for i, d in self.layer_dims:
+            if d.num_heads % tp_size:
+                raise ValueError(f"{self.name}: tp_size must divide layer {i}'s "
+                                 f"num_heads={d.num_heads}; got {tp_size}")
+        dims = tuple((i, replace(d, num_heads=d.num_heads // tp_size)) for i, d in self.layer_dims)
+        return replace(self, num_heads=self.num_heads // tp_size, tp_size=tp_size, tp_rank=rank,
+                       layer_dims=dims)
 
     def describe(self) -> str:
         """Dims, heads, dtype and softmax scale, each with where it came from."""
@@ -145,6 +223,10 @@ class MLAModelConfig:
             f"{self.num_layers} layers, max_model_len {self.max_model_len}\n"
             f"  model dtype {str(self.model_dtype).removeprefix('torch.')} ({self.dtype_source})\n"
             f"  softmax scale {self.softmax_scale:.5f}: {self.softmax_scale_source}"
+            + "".join(f"\n  layer {i}: L={d.L} R={d.R} P={d.P} V={d.V}, {d.num_heads} heads"
+                      for i, d in self.layer_dims)
+            + "".join(f"\n  layer {i}: reads layer {j}'s KV cache (KV sharing)"
+                      for i, j in self.kv_source_layers)
         )
 
 

@@ -270,6 +270,7 @@ def resolve_layer(
     check_configs(cache_config, model_config)
     cache_config.check_against(model_config)
     index = _layer_index(model_config, layer, prefix)
+    model_config = model_config.for_layer(index)  # per-layer dims (L, R) size its entry
     requested = get_format(cache_config.kv_cache_dtype, "kv_cache_dtype")
     reason = _skip_reason(cache_config, model_config, index)
     fmt = get_format("auto") if reason is not None else requested
