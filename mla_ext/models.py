@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from mla_ext.families import family_of
 from mla_ext.formats import MODEL_DTYPES
 from mla_ext.softmax_scale import base_scale, scale_from_config
 
@@ -332,14 +333,32 @@ def load_hf_config(path: str | os.PathLike) -> MLAModelConfig:
     return config_from_dict(raw, name=path)
 
 
+# Other spellings of a required key in published configs: LongCat-Flash writes
+# num_layers, Kimi-Linear and Bailing-hybrid model_max_length.
+_ALIASES = {"num_hidden_layers": ("num_layers",),
+            "max_position_embeddings": ("model_max_length",)}
+
+
+def _with_aliases(raw: dict) -> dict:
+    out = dict(raw)
+    for key, others in _ALIASES.items():
+        if out.get(key) is None:
+            for other in others:
+                if out.get(other) is not None:
+                    out[key] = out[other]
+                    break
+    return out
+
+
 def config_from_dict(raw: dict, name: str) -> MLAModelConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"model config {name}: expected a JSON object (dict), got "
                          f"{type(raw).__name__}")
-    # Multimodal checkpoints (e.g. Kimi-VL style) keep the language model's
-    # fields under text_config; the MLA dims live there.
+    # Multimodal checkpoints (e.g. Kimi-VL style, dots3_note, glm5_next,
+    # mistral_large4) keep the language model's fields under text_config.
     if "kv_lora_rank" not in raw and isinstance(raw.get("text_config"), dict):
         raw = {**raw, **raw["text_config"]}
+    raw = _with_aliases(raw)
     missing = [k for k in _REQUIRED_KEYS.values() if raw.get(k) is None]
     if missing:
         raise ValueError(
@@ -359,11 +378,81 @@ def config_from_dict(raw: dict, name: str) -> MLAModelConfig:
                          f"and <= {MAX_NUM_LAYERS} (models.MAX_NUM_LAYERS); got "
                          f"{_short(dims['num_layers'])}")
     dtype, dtype_source = _model_dtype(raw, name)
-    scale = scale_from_config(raw, dims["P"], dims["R"], name)
+    family = family_of(raw.get("model_type"))
+    types = raw.get("layer_types") if isinstance(raw.get("layer_types"), list) else None
+    main_type = _main_layer_type(types)
+    scale = scale_from_config(raw, dims["P"], dims["R"], name, layer_type=main_type, family=family)
     sliding = sliding_window_layers_from_dict(raw, dims["num_layers"], name)
+    layer_dims = layer_dims_from_dict(raw, dims, scale.value, name, family)
+    sources = kv_sources_from_dict(raw, dims["num_layers"], name)
     return MLAModelConfig(name=name, model_dtype=dtype, sliding_window_layers=sliding,
                           softmax_scale=scale.value, softmax_scale_source=scale.source,
-                          dtype_source=dtype_source, **dims)
+                          dtype_source=dtype_source, layer_dims=layer_dims,
+                          kv_source_layers=sources, **dims)
+
+
+def _main_layer_type(types) -> str | None:
+    """The layer type whose rope parameters give the model's own scale: the first
+    type that is not a sliding window (dots3_note: "indexed_attention")."""
+    if not types:
+        return None
+    full = [t for t in types if "sliding" not in str(t)]
+    return str((full or types)[0])
+
+
+# Per-layer overrides in a config's per_layer_config (dots3_note) -> our dims.
+_PER_LAYER_KEYS = {"L": "kv_lora_rank", "R": "qk_rope_head_dim", "P": "qk_nope_head_dim",
+                   "V": "v_head_dim", "num_heads": "num_attention_heads"}
+
+
+def layer_dims_from_dict(raw: dict, dims: dict, model_scale: float, name: str, family) -> dict:
+    """{layer: LayerDims} for the layers whose dims or scale differ from the model's:
+    `per_layer_config` entries (dots3_note's sliding layers), `no_rope_layers`
+    zeros (mistral_large4, smollm3 convention: 1 = rope; a no-rope layer moves the
+    rope width into P and keeps the model's scale), and per-layer-type
+    `rope_parameters` that give a layer type another softmax scale."""
+    n = dims["num_layers"]
+    per_layer = raw.get("per_layer_config")
+    per_layer = per_layer if isinstance(per_layer, dict) else {}
+    no_rope = raw.get("no_rope_layers")
+    types = raw.get("layer_types") if isinstance(raw.get("layer_types"), list) else None
+    out = {}
+    for i in range(n):
+        over = per_layer.get(str(i), per_layer.get(f"{i:02d}", per_layer.get(i)))
+        d = dict(dims)
+        if isinstance(over, dict):
+            for arg, key in _PER_LAYER_KEYS.items():
+                if over.get(key) is not None:
+                    if not _is_int(over[key]):
+                        raise ValueError(f"model config {name}: per_layer_config[{i}].{key} must "
+                                         f"be an integer; got {_short(over[key])}")
+                    d[arg] = over[key]
+        scale, source = None, ""
+        if isinstance(over, dict) or (types and str(types[i]) != _main_layer_type(types)):
+            s = scale_from_config(raw, d["P"], d["R"], name,
+                                  layer_type=str(types[i]) if types else None, family=family)
+            scale, source = s.value, f"layer {i}: {s.source}"
+        if isinstance(no_rope, list) and i < len(no_rope) and no_rope[i] == 0 and d["R"]:
+            # transformers keeps qk_head_dim (so the scale) and widens q_pass/k_pass.
+            d["P"], d["R"] = d["P"] + d["R"], 0
+            scale, source = scale or model_scale, source or f"layer {i}: no rope, the model's scale"
+        changed = any(d[k] != dims[k] for k in _PER_LAYER_KEYS)
+        if changed or (scale is not None and not math.isclose(scale, model_scale, rel_tol=1e-12)):
+            out[i] = LayerDims(d["L"], d["R"], d["P"], d["V"], d["num_heads"],
+                               softmax_scale=scale, softmax_scale_source=source)
+    return out
+
+
+def kv_sources_from_dict(raw: dict, num_layers: int, name: str) -> dict:
+    """{layer: source} from `kv_source_layers` (mistral_large4: each layer's entry
+    names the layer whose latent cache it reads; its own index = its own cache)."""
+    src = raw.get("kv_source_layers")
+    if src is None:
+        return {}
+    if not isinstance(src, list) or len(src) != num_layers or not all(_is_int(j) for j in src):
+        raise ValueError(f"model config {name}: kv_source_layers must be a list of "
+                         f"{num_layers} layer indices; got {_short(src)}")
+    return {i: j for i, j in enumerate(src) if j != i}
 
 
 def _short(value) -> str:
