@@ -36,6 +36,9 @@ class Family:
     sparse: bool = False
     sinks: bool = False
     sliding: bool = False
+    # The attention_mask its forward takes: "causal" (additive [B, 1, S, S]) or
+    # "padding" (boolean [B, S]; glm5_next's indexer builds causality itself).
+    mask: str = "causal"
     note: str = ""
 
 
@@ -54,7 +57,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _f("dots3_note", "Dots3NoteTextAttention", yarn_in_scale=False, sparse=True, sliding=True,
        note="per-layer dims on sliding layers; latents rescaled and k_pe normed"),
     _f("glm4_moe_lite", "Glm4MoeLiteAttention"),
-    _f("glm5_next", "Glm5NextTextAttention", yarn_in_scale=False, sparse=True,
+    _f("glm5_next", "Glm5NextTextAttention", yarn_in_scale=False, sparse=True, mask="padding",
        note="no rope part (R = 0); MLA on its indexed layers only"),
     _f("glm_moe_dsa", "GlmMoeDsaAttention", sparse=True),
     _f("hy_v4", "HYV4Attention", sparse=True, sinks=True),

@@ -131,13 +131,14 @@ def all_causal_topk(B: int, S: int, device) -> Tensor:
 
 
 def forward_kwargs(module, x: Tensor, pos: Tensor, rotary, cache: _Cache,
-                   shared_kv: dict | None) -> dict:
+                   shared_kv: dict | None, mask: str = "causal") -> dict:
     """The keyword arguments the module's forward takes, as its decoder layer passes
     them (mask, rotary cos/sin, positions, cache, KV-sharing dict, shared top-k)."""
     B, S = x.shape[:2]
     params = inspect.signature(module.forward).parameters
-    kw = {"hidden_states": x, "attention_mask": causal_mask(B, S, x.dtype, x.device),
-          "past_key_values": cache}
+    attention_mask = causal_mask(B, S, x.dtype, x.device) if mask == "causal" else \
+        torch.ones(B, S, dtype=torch.bool, device=x.device)
+    kw = {"hidden_states": x, "attention_mask": attention_mask, "past_key_values": cache}
     if "position_embeddings" in params:
         kw["position_embeddings"] = rotary_embeddings(module, rotary, x, pos)
     if "position_ids" in params:
@@ -163,7 +164,7 @@ def rotary_embeddings(module, rotary, x: Tensor, pos: Tensor):
 
 def run_module(module, x: Tensor, pos: Tensor, rotary, *, reference: bool,
                context: tuple[Tensor, Tensor] | None = None,
-               shared_kv: dict | None = None) -> Captured:
+               shared_kv: dict | None = None, mask: str = "causal") -> Captured:
     """One forward of `module` over x [B, S, H] at positions pos [B, S].
 
     reference=False: stops at the attention call, recording the query, scaling and
@@ -183,7 +184,7 @@ def run_module(module, x: Tensor, pos: Tensor, rotary, *, reference: bool,
 
     with _attention_swapped(module, capture) as own:
         try:
-            module(**forward_kwargs(module, x, pos, rotary, cache, shared_kv))
+            module(**forward_kwargs(module, x, pos, rotary, cache, shared_kv, mask))
         except _Stop:
             pass
     got.latents = cache.latents

@@ -67,6 +67,7 @@ from torch import Tensor, nn
 
 from mla_ext.families import FAMILIES, Family, family_of
 from mla_ext.integrations.transformers_capture import run_module
+from mla_ext.integrations.transformers_random import randomize_
 from mla_ext.kv_b_proj.from_module import weight_format_from_module
 from mla_ext.kv_b_proj.shard import shard_for
 from mla_ext.kv_b_proj.weights import WeightFormat
@@ -130,12 +131,8 @@ def attention_kind(module) -> str:
 def _check_module(module) -> str:
     family = family_of_module(module)
     kind = family.attention
-    cfg = module.config
-    n, n_kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
-    per_layer = getattr(cfg, "per_layer_config", None)
-    if per_layer is not None and module.layer_idx is not None:  # dots3_note: the layer's heads
-        n = getattr(per_layer[module.layer_idx], "num_attention_heads", n)
-        n_kv = getattr(per_layer[module.layer_idx], "num_key_value_heads", n_kv)
+    n = _layer_attr(module, "num_attention_heads")
+    n_kv = _layer_attr(module, "num_key_value_heads")
     if n_kv not in (None, n):
         raise ValueError(
             f"{kind} layer {module.layer_idx}: num_key_value_heads={n_kv} differs from "
@@ -149,6 +146,20 @@ def _check_module(module) -> str:
         raise ValueError(f"{kind} layer {module.layer_idx}: kv_b_proj has a bias; mla_ext's "
                          "up-projection has none (DeepSeek checkpoints have none)")
     return kind
+
+
+def _layer_attr(module, name: str):
+    """A config attribute as the module's layer sees it: its per_layer_config entry
+    where the config has per-layer values (dots3_note's sliding layers), else the
+    config's own (None when it has none)."""
+    cfg = module.config
+    per_layer = getattr(cfg, "per_layer_config", None)
+    if per_layer is not None and module.layer_idx is not None:
+        try:
+            return getattr(per_layer[module.layer_idx], name)
+        except (AttributeError, KeyError, IndexError, TypeError):
+            pass
+    return getattr(cfg, name, None)
 
 
 def module_dtype(module) -> torch.dtype:
@@ -281,8 +292,8 @@ def _batched(module, hidden_states: Tensor, position_ids: Tensor) -> tuple[Tenso
 
 
 def _flat(t: Tensor) -> Tensor:
-    """[B, 1, S, D] latents -> [B*S, D]."""
-    return t.reshape(-1, t.shape[-1]).contiguous()
+    """[B, 1, S, D] latents -> [B*S, D] (D may be 0: no rope part)."""
+    return t.reshape(t.shape[0] * t.shape[2], t.shape[-1]).contiguous()
 
 
 def mla_inputs(module, hidden_states: Tensor, position_ids: Tensor, *,
@@ -298,15 +309,15 @@ def mla_inputs(module, hidden_states: Tensor, position_ids: Tensor, *,
     latents returned are then the source's."""
     kind = _check_module(module)
     x, pos = _batched(module, hidden_states, position_ids)
+    key = "rope" if getattr(module, "use_rope", True) else "nope"
+    if getattr(module, "is_kv_shared_layer", False) and key not in (shared_kv or {}):
+        raise ValueError(f"{kind} layer {module.layer_idx} reads another layer's KV "
+                         f"(KV sharing): pass shared_kv, the shared_kv_states its source "
+                         f"layer filled (key {key!r})")
     rotary = rotary_emb if rotary_emb is not None else rotary_embedding_for(module)
-    got = run_module(module, x, pos, rotary, reference=False, shared_kv=shared_kv)
-    latents = got.latents
-    if latents is None:
-        if not shared_kv:
-            raise ValueError(f"{kind} layer {module.layer_idx} reads another layer's KV "
-                             "(KV sharing): pass shared_kv, the shared_kv_states its source "
-                             "layer filled")
-        latents = shared_kv["rope" if getattr(module, "use_rope", True) else "nope"]
+    got = run_module(module, x, pos, rotary, reference=False, shared_kv=shared_kv,
+                     mask=family_of_module(module).mask)
+    latents = got.latents if got.latents is not None else shared_kv[key]
     q = got.query.transpose(1, 2)  # [B, S, N, P+R]
     q = q.reshape(-1, q.shape[-2], q.shape[-1]).contiguous()
     return MLAInputs(q, _flat(latents[0]), _flat(latents[1]))
@@ -340,7 +351,8 @@ def reference_attention(module, hidden_states: Tensor, position_ids: Tensor, *,
         context = (kv_c, k_pe)
         if shared_kv:  # a KV-sharing layer attends to its source's stored latents
             shared_kv = {key: _with_context(v, context) for key, v in shared_kv.items()}
-    got = run_module(module, x, pos, rotary, reference=True, context=context, shared_kv=shared_kv)
+    got = run_module(module, x, pos, rotary, reference=True, context=context, shared_kv=shared_kv,
+                     mask=family_of_module(module).mask)
     out = got.output  # [B, S, N, V]
     return out.reshape(B * S, out.shape[-2], out.shape[-1])
 
@@ -492,17 +504,7 @@ def random_attention(version: str = "v3", *, dtype: torch.dtype = torch.bfloat16
     if version == "v3":
         kw.setdefault("dtype", str(dtype).removeprefix("torch."))
     module = getattr(lib, f"{name}Attention")(config_cls(**kw), layer_idx=layer_idx)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, p in module.named_parameters():
-            if "layernorm" in pname:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 2:
-                gain = 2.0 if pname.startswith("q_") else 1.0
-                p.copy_(gain * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    return module.to(dtype).eval()
+    return randomize_(module, seed).to(dtype).eval()
 
 
 class SideBySide(NamedTuple):

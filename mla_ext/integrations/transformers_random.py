@@ -40,6 +40,8 @@ _LAYOUT = {
                        sliding_window=64, swa_num_attention_heads=4, swa_num_key_value_heads=4,
                        swa_q_lora_rank=48, swa_kv_lora_rank=32, swa_head_dim=32,
                        swa_qk_nope_head_dim=24, swa_v_head_dim=24),
+    # Its rotary embedding is sized by head_dim (= R in the published configs).
+    "longcat_flash": dict(head_dim=16),
     # Layer 1 without rope; layer 2 reads layer 0's KV, layer 3 layer 1's.
     "mistral_large4": dict(no_rope_layers=[1, 0, 1, 0], kv_source_layers=[0, 1, 0, 1]),
 }
@@ -71,7 +73,9 @@ def tiny_config(family: str, **overrides):
 def randomize_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(seed)
     for pname, p in module.named_parameters():
-        if "norm" in pname:
+        if pname == "sinks":  # logits comparable to the scores, so they matter
+            p.copy_(1.5 * torch.randn(p.shape, generator=gen))
+        elif "norm" in pname:
             p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
         elif p.dim() == 2:
             gain = 2.0 if pname.startswith("q_") else 1.0
