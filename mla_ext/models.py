@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from mla_ext.builtin_configs import FAMILY_BUILTINS
 from mla_ext.families import family_of
 from mla_ext.formats import MODEL_DTYPES
 from mla_ext.softmax_scale import base_scale, scale_from_config
@@ -224,11 +225,32 @@ class MLAModelConfig:
             f"{self.num_layers} layers, max_model_len {self.max_model_len}\n"
             f"  model dtype {str(self.model_dtype).removeprefix('torch.')} ({self.dtype_source})\n"
             f"  softmax scale {self.softmax_scale:.5f}: {self.softmax_scale_source}"
-            + "".join(f"\n  layer {i}: L={d.L} R={d.R} P={d.P} V={d.V}, {d.num_heads} heads"
-                      for i, d in self.layer_dims)
+            + "".join(f"\n  layer{'s' if len(ix) > 1 else ''} {_ranges(ix)}: L={d.L} R={d.R} "
+                      f"P={d.P} V={d.V}, {d.num_heads} heads, softmax scale {d.softmax_scale or 0:.5f}"
+                      for d, ix in _grouped(self.layer_dims))
             + "".join(f"\n  layer {i}: reads layer {j}'s KV cache (KV sharing)"
                       for i, j in self.kv_source_layers)
         )
+
+
+def _grouped(pairs) -> list[tuple]:
+    """[(value, [layers])] for (layer, value) pairs, equal values together."""
+    groups: dict = {}
+    for i, d in pairs:  # the scale's source names its layer: group without it
+        groups.setdefault(replace(d, softmax_scale_source=""), []).append(i)
+    return list(groups.items())
+
+
+def _ranges(ix: list[int]) -> str:
+    """[2, 3, 4, 7] -> "2-4 7"."""
+    out, start = [], None
+    for k, i in enumerate(ix):
+        if start is None:
+            start = i
+        if k + 1 == len(ix) or ix[k + 1] != i + 1:
+            out.append(f"{start}-{i}" if i > start else f"{i}")
+            start = None
+    return " ".join(out)
 
 
 def _is_int(x) -> bool:
@@ -259,6 +281,11 @@ _BUILTIN_JSON = {
     "deepseek-v3": _DEEPSEEK_V3_JSON,
     # R1 is a DeepSeek-V3 checkpoint: same architecture, listed under its own name.
     "deepseek-r1": _DEEPSEEK_V3_JSON,
+    # DeepSeek-V3.2(-Exp): V3's attention and yarn, plus the DSA indexer (dense
+    # attention equals it only up to index_topk keys per query).
+    "deepseek-v3.2": {**_DEEPSEEK_V3_JSON, "model_type": "deepseek_v32", "index_topk": 2048},
+    # One per transformers MLA family: mla_ext/builtin_configs.py.
+    **FAMILY_BUILTINS,
     "kimi-k2": {
         **_DEEPSEEK_V3_JSON, "num_attention_heads": 64, "max_position_embeddings": 131072,
         "rope_scaling": {"type": "yarn", "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
