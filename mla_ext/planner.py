@@ -41,8 +41,9 @@ class LayerPlan:
     page_bytes: int  # block stride in bytes (>= block_size * bytes_per_token)
     shape: tuple[int, int, int]  # [num_blocks, block_size, entry]
     dtype: torch.dtype
-    bytes: int  # num_blocks * page_bytes
+    bytes: int  # num_blocks * page_bytes (0 for a layer that reads another's cache)
     offset: int  # byte offset of this layer's region in the shared buffer
+    kv_source: int | None = None  # KV sharing: the layer whose cache this one reads
 
     @property
     def strides(self) -> tuple[int, int, int]:
@@ -88,15 +89,14 @@ class PoolPlan:
         """
         if check_bool(shared, "shared"):
             buf = torch.empty(self.bytes_used, dtype=torch.uint8, device=device)
-            return [
-                buf[p.offset: p.offset + p.bytes].view(p.dtype).as_strided(p.shape, p.strides)
-                for p in self.layers
-            ]
-        return [
-            torch.empty(p.bytes // p.dtype.itemsize, dtype=p.dtype, device=device)
-            .as_strided(p.shape, p.strides)
-            for p in self.layers
-        ]
+            own = {p.layer_index: buf[p.offset: p.offset + p.bytes].view(p.dtype)
+                   .as_strided(p.shape, p.strides) for p in self.layers if p.kv_source is None}
+        else:
+            own = {p.layer_index: torch.empty(p.bytes // p.dtype.itemsize, dtype=p.dtype,
+                                              device=device).as_strided(p.shape, p.strides)
+                   for p in self.layers if p.kv_source is None}
+        # A KV-sharing layer gets its source's tensor itself (it stores nothing).
+        return [own[p.layer_index if p.kv_source is None else p.kv_source] for p in self.layers]
 
     def to_dict(self) -> dict:
         return {
@@ -121,6 +121,7 @@ class PoolPlan:
                     "dtype": _dtype_name(p.dtype),
                     "bytes": p.bytes,
                     "offset": p.offset,
+                    "kv_source": p.kv_source,
                 }
                 for p in self.layers
             ],
@@ -184,6 +185,10 @@ def _layout(specs, pages, num_blocks):
     """(offsets, region bytes, total bytes) of every layer in one shared buffer."""
     offsets, sizes, end = [], [], 0
     for page in pages:
+        if page == 0:  # a KV-sharing layer: no region (its source's offset is used)
+            offsets.append(end)
+            sizes.append(0)
+            continue
         start = _round_up(end, REGION_ALIGN)
         offsets.append(start)
         sizes.append(num_blocks * page)
@@ -210,6 +215,10 @@ def plan_pool(
     indices = [s.layer_index for s in specs]
     if len(set(indices)) != len(indices):
         raise ValueError(f"layer_specs: duplicate layer indices in {indices}")
+    orphans = [s.layer_index for s in specs if s.kv_source is not None and s.kv_source not in indices]
+    if orphans:
+        raise ValueError(f"layer_specs: layers {orphans} read another layer's KV (kv_source) "
+                         "that is not among the specs")
     sizes = {s.block_size for s in specs}
     if len(sizes) != 1:
         raise ValueError(
@@ -223,7 +232,8 @@ def plan_pool(
                  else repr(memory_bytes))
         raise ValueError(f"memory_bytes: expected an integer > 0 and <= {MAX_MEMORY_BYTES:,} "
                          f"(int64 bytes), got {shown}")
-    pages = [s.page_bytes(alignment) for s in specs]
+    # A layer that reads another layer's cache (KV sharing) takes no page of its own.
+    pages = [0 if s.kv_source is not None else s.page_bytes(alignment) for s in specs]
     for s, page in zip(specs, pages):
         if page % s.storage_dtype.itemsize:
             raise ValueError(
@@ -246,6 +256,9 @@ def plan_pool(
             f"{len(specs)} layers ({need:,} bytes needed)"
         )
     offsets, region_bytes, used = _layout(specs, pages, num_blocks)
+    owner = {s.layer_index: off for s, off in zip(specs, offsets)}
+    offsets = [owner.get(s.kv_source, off) if s.kv_source is not None else off
+               for s, off in zip(specs, offsets)]
     # The cap, not the budget, decided the count.
     limited = affordable > MAX_NUM_BLOCKS and num_blocks == MAX_NUM_BLOCKS
     layers = tuple(
@@ -260,6 +273,7 @@ def plan_pool(
             dtype=s.storage_dtype,
             bytes=size,
             offset=off,
+            kv_source=s.kv_source,
         )
         for s, page, off, size in zip(specs, pages, offsets, region_bytes)
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -157,6 +157,9 @@ class LayerCacheSpec:
     entry_elems: int
     bytes_per_token: int
     workspace_dtype: torch.dtype  # dtype the gather writes: model dtype
+    # The layer whose cache this one reads (KV sharing, mistral_large4), or None.
+    # Such a layer has its source's format and entry and no cache of its own.
+    kv_source: int | None = None
 
     def __post_init__(self):
         f = self.format
@@ -270,6 +273,10 @@ def resolve_layer(
     check_configs(cache_config, model_config)
     cache_config.check_against(model_config)
     index = _layer_index(model_config, layer, prefix)
+    source = model_config.kv_source(index)
+    if source is not None:  # it reads its source's cache: the source's format and entry
+        return replace(resolve_layer(cache_config, model_config, layer=source),
+                       layer_index=index, kv_source=source)
     model_config = model_config.for_layer(index)  # per-layer dims (L, R) size its entry
     requested = get_format(cache_config.kv_cache_dtype, "kv_cache_dtype")
     reason = _skip_reason(cache_config, model_config, index)

@@ -206,3 +206,21 @@ def test_layer_dims_and_kv_sources_are_checked():
     with pytest.raises(ValueError, match=r"kv_source_layers\[1\] must name another layer"):
         _model(kv_source_layers={1: 1})
     assert _model(kv_source_layers={1: 0}).kv_source(1) == 0
+
+
+def test_kv_sharing_layers_plan_no_cache_of_their_own():
+    """mistral_large4's KV sharing: layer 2 reads layer 0's cache. Its spec is its
+    source's (format, entry), it takes no bytes, and allocate() hands it the source's
+    tensor itself, shared buffer or not."""
+    model = _model(kv_source_layers={1: 0}, layer_dims={0: LayerDims(64, 16, 16, 16, 2)})
+    cfg = CacheConfig("fp8", block_size=BLOCK, skip_layers=(0,))
+    spec = resolve_layer(cfg, model, layer=1)
+    assert spec.kv_source == 0 and spec.layer_index == 1 and spec.kv_cache_dtype == "auto"
+    plan = plan_model(cfg, model, memory_bytes=1 << 16)
+    own, shared = plan.layers
+    assert shared.bytes == 0 and shared.kv_source == 0 and shared.offset == own.offset
+    assert plan.bytes_used == own.bytes
+    for flag in (False, True):
+        caches = plan.allocate(shared=flag)
+        assert caches[1] is caches[0]
+    assert plan.to_dict()["layers"][1]["kv_source"] == 0
