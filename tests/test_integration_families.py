@@ -59,7 +59,8 @@ def quantized_case(family: str) -> tuple[str, str]:
     return fmt, RECIPES[i % len(RECIPES)]
 
 
-def build(family, layer_idx, dtype, kv_cache_dtype="auto", recipe="dense", seed=0, **dims):
+def build(family, layer_idx, dtype, kv_cache_dtype="auto", recipe="dense", seed=0,
+          layer_kwargs=None, **dims):
     """(layer, source layer or None) for one layer of a tiny `family` model."""
     cfg = tiny_config(family, **dims)
     per_tensor = kv_cache_dtype in ("fp8", "fp8_e5m2")
@@ -73,7 +74,7 @@ def build(family, layer_idx, dtype, kv_cache_dtype="auto", recipe="dense", seed=
             with torch.no_grad():
                 module.kv_b_proj.weight.copy_(weight.dequantize(dtype))
         return tx.TransformersMLA(module, cache, kv_b_proj=weight, workspace_rows_override=32,
-                                  max_num_seqs=len(CTX))
+                                  max_num_seqs=len(CTX), **(layer_kwargs or {}))
 
     layer = one(layer_idx, seed)
     source = one(layer.kv_source, seed + 7) if layer.kv_source is not None else None
@@ -178,3 +179,23 @@ def test_nvfp4_ds_mla_refuses_a_family_without_rope():
     module = random_family_attention("glm5_next", kv_lora_rank=512)
     with pytest.raises(ValueError, match=r"nvfp4_ds_mla.*R=0 \(its 352-byte row"):
         tx.TransformersMLA(module, CacheConfig("nvfp4_ds_mla", block_size=BLOCK))
+
+
+@pytest.mark.parametrize("family", ["hy_v4", "glm5_next", "mistral_large4"])
+def test_absorbed_context_path(family):
+    """The context in latent space (queries absorbed through W_UK): sinks (hy_v4),
+    no rope part (glm5_next) and no-rope layers (mistral_large4 layer 1) too."""
+    layer, source = build(family, 1, torch.float32, layer_kwargs={"context_attention": "absorbed"})
+    assert layer.prefill.context_attention.mode == "absorbed"
+    check(run(layer, source, torch.float32), torch.float32)
+
+
+def test_tensor_parallel_rank_with_sinks():
+    """Rank 1 of 2 of a 4-head hy_v4 layer: its heads' sinks and kv_b_proj rows."""
+    cfg = tiny_config("hy_v4", num_attention_heads=4, num_key_value_heads=4)
+    module = random_family_attention("hy_v4", config=cfg)
+    layer = tx.TransformersMLA(module, CacheConfig("auto", block_size=BLOCK), tp_size=2, tp_rank=1,
+                               workspace_rows_override=32, max_num_seqs=len(CTX))
+    assert layer.heads == slice(2, 4)
+    torch.testing.assert_close(layer.prefill.sinks, module.sinks.detach()[2:4])
+    check(run(layer, None, torch.float32), torch.float32)
