@@ -410,8 +410,8 @@ def config_from_dict(raw: dict, name: str) -> MLAModelConfig:
     main_type = _main_layer_type(types)
     scale = scale_from_config(raw, dims["P"], dims["R"], name, layer_type=main_type, family=family)
     sliding = sliding_window_layers_from_dict(raw, dims["num_layers"], name)
-    layer_dims = layer_dims_from_dict(raw, dims, scale.value, name, family)
-    sources = kv_sources_from_dict(raw, dims["num_layers"], name)
+    layer_dims = _layer_dims_from_dict(raw, dims, scale.value, name, family)
+    sources = _kv_sources_from_dict(raw, dims["num_layers"], name)
     return MLAModelConfig(name=name, model_dtype=dtype, sliding_window_layers=sliding,
                           softmax_scale=scale.value, softmax_scale_source=scale.source,
                           dtype_source=dtype_source, layer_dims=layer_dims,
@@ -432,7 +432,7 @@ _PER_LAYER_KEYS = {"L": "kv_lora_rank", "R": "qk_rope_head_dim", "P": "qk_nope_h
                    "V": "v_head_dim", "num_heads": "num_attention_heads"}
 
 
-def layer_dims_from_dict(raw: dict, dims: dict, model_scale: float, name: str, family) -> dict:
+def _layer_dims_from_dict(raw: dict, dims: dict, model_scale: float, name: str, family) -> dict:
     """{layer: LayerDims} for the layers whose dims or scale differ from the model's:
     `per_layer_config` entries (dots3_note's sliding layers), `no_rope_layers`
     zeros (mistral_large4, smollm3 convention: 1 = rope; a no-rope layer moves the
@@ -440,12 +440,22 @@ def layer_dims_from_dict(raw: dict, dims: dict, model_scale: float, name: str, f
     `rope_parameters` that give a layer type another softmax scale."""
     n = dims["num_layers"]
     per_layer = raw.get("per_layer_config")
-    per_layer = per_layer if isinstance(per_layer, dict) else {}
+    if per_layer is not None and not isinstance(per_layer, dict):
+        raise ValueError(f"model config {name}: per_layer_config must be an object {{layer: "
+                         f"{{key: value}}}}; got {_short(per_layer)}")
+    per_layer = per_layer or {}
     no_rope = raw.get("no_rope_layers")
+    if no_rope is not None and (not isinstance(no_rope, list) or len(no_rope) < n
+                                or not all(v in (0, 1) for v in no_rope)):
+        raise ValueError(f"model config {name}: no_rope_layers must be a list of {n} entries "
+                         f"0 (no rope) or 1 (rope); got {_short(no_rope)}")
     types = raw.get("layer_types") if isinstance(raw.get("layer_types"), list) else None
     out = {}
     for i in range(n):
         over = per_layer.get(str(i), per_layer.get(f"{i:02d}", per_layer.get(i)))
+        if over is not None and not isinstance(over, dict):
+            raise ValueError(f"model config {name}: per_layer_config[{i}] must be an object; got "
+                             f"{_short(over)}")
         d = dict(dims)
         if isinstance(over, dict):
             for arg, key in _PER_LAYER_KEYS.items():
@@ -455,9 +465,9 @@ def layer_dims_from_dict(raw: dict, dims: dict, model_scale: float, name: str, f
                                          f"be an integer; got {_short(over[key])}")
                     d[arg] = over[key]
         scale, source = None, ""
-        if isinstance(over, dict) or (types and str(types[i]) != _main_layer_type(types)):
-            s = scale_from_config(raw, d["P"], d["R"], name,
-                                  layer_type=str(types[i]) if types else None, family=family)
+        layer_type = str(types[i]) if types and i < len(types) else None
+        if isinstance(over, dict) or (layer_type and layer_type != _main_layer_type(types)):
+            s = scale_from_config(raw, d["P"], d["R"], name, layer_type=layer_type, family=family)
             scale, source = s.value, f"layer {i}: {s.source}"
         if isinstance(no_rope, list) and i < len(no_rope) and no_rope[i] == 0 and d["R"]:
             # transformers keeps qk_head_dim (so the scale) and widens q_pass/k_pass.
@@ -470,7 +480,7 @@ def layer_dims_from_dict(raw: dict, dims: dict, model_scale: float, name: str, f
     return out
 
 
-def kv_sources_from_dict(raw: dict, num_layers: int, name: str) -> dict:
+def _kv_sources_from_dict(raw: dict, num_layers: int, name: str) -> dict:
     """{layer: source} from `kv_source_layers` (mistral_large4: each layer's entry
     names the layer whose latent cache it reads; its own index = its own cache)."""
     src = raw.get("kv_source_layers")

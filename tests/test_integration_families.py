@@ -151,6 +151,7 @@ def test_sinks_change_the_result():
 def test_sparse_layers_are_refused_past_index_topk(family):
     layer, source = build(family, 1, torch.float32, index_topk=24)
     assert layer.max_keys == 24
+    assert "up to 24 keys per query (index_topk=24" in layer.explain()
     with pytest.raises(ValueError, match=rf"{family} layer 1: request 0 has 40 context \+ 3 new "
                                          rf"tokens = 43 keys.*index_topk=24"):
         run(layer, source, torch.float32)

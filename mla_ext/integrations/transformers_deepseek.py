@@ -394,6 +394,18 @@ class TransformersMLA:
         self.kv_source = model_config_from_module(module).kv_source(index)
         self.max_keys, self.limit_reason = _key_limit(module, self.family, index)
 
+    def explain(self, device=None) -> str:
+        """The layer's plan (MLAPrefill.explain) with its family and limits."""
+        f, i = self.family, self.prefill.layer_index
+        lines = [f"{f.model_type} ({f.attention}) layer {i}"
+                 + (f": {f.note}" if f.note else ""),
+                 f"  dense attention equals this layer's up to {self.max_keys} keys per query "
+                 f"({self.limit_reason}); refused past it" if self.max_keys is not None else
+                 "  dense attention: no key limit",
+                 f"  reads layer {self.kv_source}'s KV cache (KV sharing)"
+                 if self.kv_source is not None else "  keeps its own KV cache"]
+        return "\n".join(lines + [self.prefill.explain(device)])
+
     def check_lengths(self, metadata: PrefillMetadata) -> None:
         """Refuses a batch whose queries would see more keys than this layer's dense
         attention equals the family's (sparse: index_topk; sliding: the window)."""
