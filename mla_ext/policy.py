@@ -277,7 +277,7 @@ def resolve_layer(
     if source is not None:  # it reads its source's cache: the source's format and entry
         return replace(resolve_layer(cache_config, model_config, layer=source),
                        layer_index=index, kv_source=source)
-    model_config = model_config.for_layer(index)  # per-layer dims (L, R) size its entry
+    full, model_config = model_config, model_config.for_layer(index)  # its own L, R size its entry
     requested = get_format(cache_config.kv_cache_dtype, "kv_cache_dtype")
     reason = _skip_reason(cache_config, model_config, index)
     fmt = get_format("auto") if reason is not None else requested
@@ -286,7 +286,12 @@ def resolve_layer(
         try:
             fmt.check_dims(model_config.L, model_config.R)
         except ValueError as exc:
-            raise ValueError(f"layer {index} of {model_config.name}: {exc}") from None
+            hint = ""
+            if (model_config.L, model_config.R) != (full.L, full.R):
+                hint = (f" (this layer's own dims; skip it to keep it native: skip_layers "
+                        f"{'sliding_window or ' if index in full.sliding_window_layers else ''}"
+                        f"{index})")
+            raise ValueError(f"layer {index} of {model_config.name}: {exc}{hint}") from None
     return LayerCacheSpec(
         layer_index=index,
         format=fmt,

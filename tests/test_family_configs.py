@@ -129,3 +129,12 @@ def test_per_layer_dims_plan_their_own_pages():
     assert entries[0] == 576 and entries[2] == 1088 and entries[5] == 576
     assert get_model_config("mistral-large-4").for_layer(3).E == 512
     assert torch.bfloat16 == get_model_config("glm-5").model_dtype
+
+
+def test_a_layer_whose_own_dims_a_format_cannot_hold_says_how_to_skip_it():
+    with pytest.raises(ValueError, match=r"layer 2 of dots3-note: .*got L=1024, R=64 \(this layer's own "
+                                         r"dims; skip it to keep it native: skip_layers sliding_window or 2\)"):
+        plan_model(CacheConfig("fp8_ds_mla"), get_model_config("dots3-note"), 1 << 30)
+    plan = plan_model(CacheConfig("fp8_ds_mla", skip_layers=("sliding_window",)),
+                      get_model_config("dots3-note"), 1 << 30)
+    assert {p.layer_index: p.shape[2] for p in plan.layers}[2] == 1088
