@@ -89,6 +89,9 @@ class MLAModelConfig:
     # Layers that keep no KV of their own and read another layer's cache
     # (mistral_large4's KV sharing): {layer: source layer}, as sorted pairs.
     kv_source_layers: tuple = ()
+    # Layers that are not MLA attention at all (linear attention in kimi_linear,
+    # bailing_hybrid, glm5_next): they have no MLA cache and no MLA layer.
+    non_mla_layers: frozenset = field(default_factory=frozenset)
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -148,6 +151,15 @@ class MLAModelConfig:
                 raise ValueError(f"{self.name}: kv_source_layers[{i}] must name another layer "
                                  f"that keeps its own KV; got {_short(j)}")
         object.__setattr__(self, "kv_source_layers", src)
+        if isinstance(self.non_mla_layers, (str, bytes)) or not hasattr(self.non_mla_layers, "__iter__"):
+            raise ValueError(f"{self.name}: non_mla_layers must be a set of layer indices; got "
+                             f"{_short(self.non_mla_layers)}")
+        others = frozenset(self.non_mla_layers)
+        bad = sorted(i for i in others if not _is_int(i) or not 0 <= i < self.num_layers)
+        if bad or len(others) >= self.num_layers:
+            raise ValueError(f"{self.name}: non_mla_layers must be layer indices in "
+                             f"[0, {self.num_layers}), not all of them; got {sorted(others, key=str)}")
+        object.__setattr__(self, "non_mla_layers", others)
 
     def _layer_pairs(self, arg: str, value) -> tuple:
         """A {layer: x} dict (or pairs) as sorted pairs, every layer in range."""
@@ -230,6 +242,8 @@ class MLAModelConfig:
                       for d, ix in _grouped(self.layer_dims))
             + "".join(f"\n  layer {i}: reads layer {j}'s KV cache (KV sharing)"
                       for i, j in self.kv_source_layers)
+            + (f"\n  layers {_ranges(sorted(self.non_mla_layers))}: not MLA (linear attention), "
+               "no MLA cache" if self.non_mla_layers else "")
         )
 
 
@@ -412,10 +426,12 @@ def config_from_dict(raw: dict, name: str) -> MLAModelConfig:
     sliding = sliding_window_layers_from_dict(raw, dims["num_layers"], name)
     layer_dims = _layer_dims_from_dict(raw, dims, scale.value, name, family)
     sources = _kv_sources_from_dict(raw, dims["num_layers"], name)
+    # layer_types is checked (a list of num_layers entries) by sliding_window_layers_from_dict.
+    others = frozenset(i for i, t in enumerate(types or ()) if "linear" in str(t).lower())
     return MLAModelConfig(name=name, model_dtype=dtype, sliding_window_layers=sliding,
                           softmax_scale=scale.value, softmax_scale_source=scale.source,
                           dtype_source=dtype_source, layer_dims=layer_dims,
-                          kv_source_layers=sources, **dims)
+                          kv_source_layers=sources, non_mla_layers=others, **dims)
 
 
 def _main_layer_type(types) -> str | None:

@@ -13,10 +13,11 @@ takes and the plan never over-commits the budget either way.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from mla_ext.models import _ranges
 from mla_ext.policy import SLIDING_WINDOW, LayerCacheSpec, check_bool, check_configs, resolve_model
 
 # Each layer's region in the shared buffer starts on this boundary, as a
@@ -74,6 +75,10 @@ class PoolPlan:
     # True when the budget would buy more than MAX_NUM_BLOCKS blocks and the
     # plan was clamped to the int32 block ids.
     block_id_limited: bool = False
+    # The model's layer count when some layers have no MLA cache (plan_model of a
+    # model with linear-attention layers): allocate() then returns one entry per
+    # layer, None for those. None: one entry per planned layer.
+    num_model_layers: int | None = None
 
     @property
     def tokens_capacity(self) -> int:
@@ -96,7 +101,11 @@ class PoolPlan:
                                               device=device).as_strided(p.shape, p.strides)
                    for p in self.layers if p.kv_source is None}
         # A KV-sharing layer gets its source's tensor itself (it stores nothing).
-        return [own[p.layer_index if p.kv_source is None else p.kv_source] for p in self.layers]
+        per_plan = {p.layer_index: own[p.layer_index if p.kv_source is None else p.kv_source]
+                    for p in self.layers}
+        if self.num_model_layers is None:
+            return list(per_plan.values())
+        return [per_plan.get(i) for i in range(self.num_model_layers)]
 
     def to_dict(self) -> dict:
         return {
@@ -107,6 +116,7 @@ class PoolPlan:
             "budget": self.budget,
             "alignment": self.alignment,
             "block_id_limited": self.block_id_limited,
+            "num_model_layers": self.num_model_layers,
             "max_num_blocks": MAX_NUM_BLOCKS,
             "layers": [
                 {
@@ -153,6 +163,11 @@ class PoolPlan:
             f"bytes used:      {self.bytes_used:,} ({format_bytes(self.bytes_used)}) of "
             f"{self.budget:,} ({format_bytes(self.budget)}), {pct:.2f}%",
         ]
+        if self.num_model_layers is not None:
+            planned = {p.layer_index for p in self.layers}
+            others = [i for i in range(self.num_model_layers) if i not in planned]
+            out.append(f"not MLA:         layers {_ranges(others)} (linear attention: "
+                       "no MLA cache; allocate() gives None)")
         if self.block_id_limited:
             out.append(f"note:            capped at {MAX_NUM_BLOCKS:,} blocks (int32 block ids); "
                        "the rest of the budget is not used")
@@ -285,7 +300,10 @@ def plan_model(cache_config, model_config, memory_bytes: int, alignment: int | N
     """Resolve every layer of `model_config` under `cache_config`, then plan the pool
     (at most MAX_NUM_BLOCKS blocks: int32 block ids)."""
     check_configs(cache_config, model_config)
-    return plan_pool(resolve_model(cache_config, model_config), memory_bytes, alignment)
+    plan = plan_pool(resolve_model(cache_config, model_config), memory_bytes, alignment)
+    if model_config.non_mla_layers:  # allocate() keeps layer indices (None: no MLA cache)
+        plan = replace(plan, num_model_layers=model_config.num_layers)
+    return plan
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -273,6 +273,9 @@ def resolve_layer(
     check_configs(cache_config, model_config)
     cache_config.check_against(model_config)
     index = _layer_index(model_config, layer, prefix)
+    if index in model_config.non_mla_layers:
+        raise ValueError(f"layer {index} of {model_config.name} is not an MLA layer (its "
+                         "layer_types entry is linear attention): it has no MLA cache")
     source = model_config.kv_source(index)
     if source is not None:  # it reads its source's cache: the source's format and entry
         return replace(resolve_layer(cache_config, model_config, layer=source),
@@ -318,9 +321,11 @@ def resolve_layer(
 def resolve_model(
     cache_config: CacheConfig, model_config: MLAModelConfig
 ) -> tuple[LayerCacheSpec, ...]:
-    """The cache spec of every layer, in layer order (O(num_layers): the model
-    config bounds it, models.MAX_NUM_LAYERS)."""
+    """The cache spec of every MLA layer, in layer order (O(num_layers): the model
+    config bounds it, models.MAX_NUM_LAYERS); layers that are not MLA (linear
+    attention) have none."""
     check_configs(cache_config, model_config)
     return tuple(
         resolve_layer(cache_config, model_config, layer=i) for i in range(model_config.num_layers)
+        if i not in model_config.non_mla_layers
     )

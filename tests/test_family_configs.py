@@ -138,3 +138,21 @@ def test_a_layer_whose_own_dims_a_format_cannot_hold_says_how_to_skip_it():
     plan = plan_model(CacheConfig("fp8_ds_mla", skip_layers=("sliding_window",)),
                       get_model_config("dots3-note"), 1 << 30)
     assert {p.layer_index: p.shape[2] for p in plan.layers}[2] == 1088
+
+
+def test_linear_attention_layers_have_no_mla_cache():
+    """kimi_linear, bailing_hybrid and glm5_next mix MLA layers with linear attention:
+    only the MLA layers are planned; allocate() keeps layer indices (None for the others);
+    an MLA layer cannot be built for a linear one."""
+    model = get_model_config("kimi-linear-48b-a3b")
+    assert model.non_mla_layers == frozenset(range(27)) - {4, 8, 12, 16, 20, 24}
+    assert "not MLA (linear attention)" in model.describe()
+    plan = plan_model(CacheConfig("auto", block_size=16), model, 1 << 24)
+    assert [p.layer_index for p in plan.layers] == [4, 8, 12, 16, 20, 24]
+    caches = plan.allocate()
+    assert len(caches) == 27 and caches[0] is None and caches[4].shape[2] == 576
+    assert "not MLA:         layers 0-3 5-7" in plan.format_table()
+    with pytest.raises(ValueError, match="layer 0 of kimi-linear-48b-a3b is not an MLA layer"):
+        from mla_ext.policy import resolve_layer
+        resolve_layer(CacheConfig("auto"), model, layer=0)
+    assert len(get_model_config("glm-5.3-flash").non_mla_layers) > 0

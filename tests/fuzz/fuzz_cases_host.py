@@ -586,6 +586,9 @@ simple(MC, "layer_dims_zero_heads", lambda: mcfg(layer_dims={1: models.LayerDims
        args=("layer_dims", "num_heads"))
 simple(MC, "layer_dims_out_of_range", lambda: mcfg(layer_dims={9: models.LayerDims(512, 64, 128, 128, 8)}),
        args=("layer_dims",))
+simple(MC, "non_mla_all_layers", lambda: mcfg(non_mla_layers={0, 1, 2, 3}), args=("non_mla_layers",))
+simple(MC, "non_mla_str", lambda: mcfg(non_mla_layers="0"), args=("non_mla_layers",))
+simple(MC, "non_mla_out_of_range", lambda: mcfg(non_mla_layers={7}), args=("non_mla_layers",))
 simple(MC, "kv_source_itself", lambda: mcfg(kv_source_layers={2: 2}), args=("kv_source_layers",))
 simple(MC, "kv_source_chain", lambda: mcfg(kv_source_layers={2: 1, 1: 0}), args=("kv_source_layers",))
 simple(MC, "layer_dims_shard", lambda: mcfg(layer_dims={1: models.LayerDims(512, 0, 192, 128, 8)}).shard(8, 0),
