@@ -39,6 +39,8 @@ class Family:
     # The attention_mask its forward takes: "causal" (additive [B, 1, S, S]) or
     # "padding" (boolean [B, S]; glm5_next's indexer builds causality itself).
     mask: str = "causal"
+    # An input-dependent gate between the attention and o_proj (the module's own).
+    output_gate: bool = False
     note: str = ""
 
 
@@ -51,10 +53,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _f("deepseek_v3", "DeepseekV3Attention"),
     _f("deepseek_v32", "DeepseekV32Attention", sparse=True),
     _f("axk1", "AXK1Attention"),
-    _f("axk2", "AXK2Attention", sparse=True, note="sigmoid output gate"),
-    _f("bailing_hybrid", "BailingHybridAttention",
+    _f("axk2", "AXK2Attention", sparse=True, output_gate=True, note="sigmoid output gate"),
+    _f("bailing_hybrid", "BailingHybridAttention", output_gate=True,
        note="MLA on its full_attention layers only (the others are linear attention)"),
     _f("dots3_note", "Dots3NoteTextAttention", yarn_in_scale=False, sparse=True, sliding=True,
+       output_gate=True,
        note="per-layer dims on sliding layers; latents rescaled and k_pe normed"),
     _f("glm4_moe_lite", "Glm4MoeLiteAttention"),
     _f("glm5_next", "Glm5NextTextAttention", yarn_in_scale=False, sparse=True, mask="padding",

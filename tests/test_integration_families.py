@@ -138,6 +138,14 @@ def test_family_with_a_quantized_cache_and_weight(family):
     check(run(layer, source, torch.bfloat16, seed=2), torch.bfloat16)
 
 
+def test_o_proj_is_refused_where_a_gate_comes_first():
+    layer, _ = build("bailing_hybrid", 1, torch.float32)
+    with pytest.raises(ValueError, match="bailing_hybrid: o_proj alone would skip the module's output gate"):
+        layer.o_proj(torch.zeros(3, 2, 32))
+    plain, _ = build("youtu", 1, torch.float32)
+    assert plain.o_proj(torch.zeros(3, 2, 32)).shape == (3, HIDDEN)
+
+
 def test_sinks_change_the_result():
     """hy_v4's sinks are folded in (not ignored): zeroing them in mla_ext alone moves
     the result far from the module's."""

@@ -43,9 +43,9 @@ derived from the config (SPEC §10), and building a layer fails if it disagrees
 with the module's own `scaling`.
 
 `reference_attention` runs the module's own forward over whole sequences (causal)
-and returns the input of its o_proj, optionally with the context positions'
-latents replaced by what a paged cache holds: the check used by the tests and
-the demo.
+and returns its attention's output (the input of its output gate, if any, and
+o_proj), optionally with the context positions' latents replaced by what a paged
+cache holds: the check used by the tests and the demo.
 
 The attention output returned is the input of what follows the attention in the
 module (an output gate where the family has one: bailing_hybrid, axk2,
@@ -469,7 +469,14 @@ class TransformersMLA:
 
     def o_proj(self, out: Tensor) -> Tensor:
         """The module's output projection of a [T, N, V] attention output -> [T, hidden]
-        (all heads: with tensor parallelism, gather the ranks' outputs first)."""
+        (all heads: with tensor parallelism, gather the ranks' outputs first). Refused
+        for a family with an output gate between the two (bailing_hybrid, axk2,
+        dots3_note): that gate depends on the hidden states and is the module's."""
+        if self.family.output_gate:
+            raise ValueError(f"{self.family.model_type}: o_proj alone would skip the module's "
+                             "output gate (sigmoid of a projection of the hidden states, applied "
+                             "to the attention output first); apply the module's gate, then "
+                             "module.o_proj")
         return self.module.o_proj(out.reshape(out.shape[0], -1))
 
 
