@@ -150,6 +150,9 @@ class CacheFormat:
                 raise ValueError(
                     f"kv_cache_dtype '{self.name}' needs kv_lora_rank L=512 and "
                     f"qk_rope_head_dim R=64; got L={L}, R={R}"
+                    + (" (its 352-byte row has a fixed 64-value e4m3 rope section and no "
+                       "layout without one; a model without rope can use fp8_ds_mla, fp8 "
+                       "or auto)" if R == 0 else "")
                 )
             raise ValueError(f"cache dims must be L > 0 and R >= 0; got L={L}, R={R}")
 

@@ -13,10 +13,11 @@ takes and the plan never over-commits the budget either way.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from mla_ext.models import _ranges
 from mla_ext.policy import SLIDING_WINDOW, LayerCacheSpec, check_bool, check_configs, resolve_model
 
 # Each layer's region in the shared buffer starts on this boundary, as a
@@ -41,8 +42,9 @@ class LayerPlan:
     page_bytes: int  # block stride in bytes (>= block_size * bytes_per_token)
     shape: tuple[int, int, int]  # [num_blocks, block_size, entry]
     dtype: torch.dtype
-    bytes: int  # num_blocks * page_bytes
+    bytes: int  # num_blocks * page_bytes (0 for a layer that reads another's cache)
     offset: int  # byte offset of this layer's region in the shared buffer
+    kv_source: int | None = None  # KV sharing: the layer whose cache this one reads
 
     @property
     def strides(self) -> tuple[int, int, int]:
@@ -76,11 +78,39 @@ class PoolPlan:
     # DSA layers' index-key caches (mla_ext/sparse/index_cache.py), same blocks, after the latent
     # regions in the shared buffer (empty for dense models).
     index_layers: tuple[LayerPlan, ...] = ()
+    # The model's layer count when some layers have no MLA cache (plan_model of a
+    # model with linear-attention layers): allocate() then returns one entry per
+    # layer, None for those. None: one entry per planned layer.
+    num_model_layers: int | None = None
 
     @property
     def tokens_capacity(self) -> int:
         """Tokens every layer can hold at once."""
         return self.num_blocks * self.block_size
+
+    def _regions(self, plans, device, shared) -> list[torch.Tensor | None]:
+        """One tensor per plan that owns bytes (None for a KV-sharing layer)."""
+        if check_bool(shared, "shared"):
+            buf = torch.empty(self.bytes_used, dtype=torch.uint8, device=device)
+
+            def make(p):
+                return buf[p.offset: p.offset + p.bytes].view(p.dtype).as_strided(p.shape, p.strides)
+        else:
+            def make(p):
+                return torch.empty(p.bytes // p.dtype.itemsize, dtype=p.dtype, device=device).as_strided(
+                    p.shape, p.strides)
+        return [make(p) if p.kv_source is None else None for p in plans]
+
+    def _per_layer(self, views) -> list[torch.Tensor | None]:
+        """The latent regions as `allocate` returns them: a KV-sharing layer gets its
+        source's tensor itself (it stores nothing); with `num_model_layers`, one entry
+        per model layer (None for a layer without an MLA cache)."""
+        own = {p.layer_index: v for p, v in zip(self.layers, views) if p.kv_source is None}
+        per_plan = {p.layer_index: own[p.layer_index if p.kv_source is None else p.kv_source]
+                    for p in self.layers}
+        if self.num_model_layers is None:
+            return list(per_plan.values())
+        return [per_plan.get(i) for i in range(self.num_model_layers)]
 
     def allocate(self, device="cpu", shared: bool = False) -> list[torch.Tensor]:
         """Per-layer cache tensors `[num_blocks, B, entry]` in each layer's storage dtype.
@@ -89,28 +119,12 @@ class PoolPlan:
         they share its storage); otherwise each layer is its own allocation. Contents
         are uninitialised.
         """
-        if check_bool(shared, "shared"):
-            buf = torch.empty(self.bytes_used, dtype=torch.uint8, device=device)
-            return [
-                buf[p.offset: p.offset + p.bytes].view(p.dtype).as_strided(p.shape, p.strides)
-                for p in self.layers
-            ]
-        return [
-            torch.empty(p.bytes // p.dtype.itemsize, dtype=p.dtype, device=device)
-            .as_strided(p.shape, p.strides)
-            for p in self.layers
-        ]
+        return self._per_layer(self._regions(self.layers, device, shared))
 
     def allocate_all(self, device="cpu", shared: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(latent caches, index caches): `allocate`, and the index caches the same way."""
-        plans = self.layers + self.index_layers
-        if check_bool(shared, "shared"):
-            buf = torch.empty(self.bytes_used, dtype=torch.uint8, device=device)
-            views = [buf[p.offset: p.offset + p.bytes].view(p.dtype).as_strided(p.shape, p.strides) for p in plans]
-        else:
-            views = [torch.empty(p.bytes // p.dtype.itemsize, dtype=p.dtype, device=device)
-                     .as_strided(p.shape, p.strides) for p in plans]
-        return views[:len(self.layers)], views[len(self.layers):]
+        """(latent caches, index caches): `allocate`, and the DSA index caches the same way."""
+        views = self._regions(self.layers + self.index_layers, device, shared)
+        return self._per_layer(views[:len(self.layers)]), views[len(self.layers):]
 
     def to_dict(self) -> dict:
         out = self._to_dict()
@@ -130,6 +144,7 @@ class PoolPlan:
             "budget": self.budget,
             "alignment": self.alignment,
             "block_id_limited": self.block_id_limited,
+            "num_model_layers": self.num_model_layers,
             "max_num_blocks": MAX_NUM_BLOCKS,
             "layers": [
                 {
@@ -144,6 +159,7 @@ class PoolPlan:
                     "dtype": _dtype_name(p.dtype),
                     "bytes": p.bytes,
                     "offset": p.offset,
+                    "kv_source": p.kv_source,
                 }
                 for p in self.layers
             ],
@@ -175,6 +191,11 @@ class PoolPlan:
             f"bytes used:      {self.bytes_used:,} ({format_bytes(self.bytes_used)}) of "
             f"{self.budget:,} ({format_bytes(self.budget)}), {pct:.2f}%",
         ]
+        if self.num_model_layers is not None:
+            planned = {p.layer_index for p in self.layers}
+            others = [i for i in range(self.num_model_layers) if i not in planned]
+            out.append(f"not MLA:         layers {_ranges(others)} (linear attention: "
+                       "no MLA cache; allocate() gives None)")
         if self.block_id_limited:
             out.append(f"note:            capped at {MAX_NUM_BLOCKS:,} blocks (int32 block ids); "
                        "the rest of the budget is not used")
@@ -212,6 +233,10 @@ def _layout(specs, pages, num_blocks):
     """(offsets, region bytes, total bytes) of every layer in one shared buffer."""
     offsets, sizes, end = [], [], 0
     for page in pages:
+        if page == 0:  # a KV-sharing layer: no region (its source's offset is used)
+            offsets.append(end)
+            sizes.append(0)
+            continue
         start = _round_up(end, REGION_ALIGN)
         offsets.append(start)
         sizes.append(num_blocks * page)
@@ -240,6 +265,10 @@ def plan_pool(
     indices = [s.layer_index for s in specs]
     if len(set(indices)) != len(indices):
         raise ValueError(f"layer_specs: duplicate layer indices in {indices}")
+    orphans = [s.layer_index for s in specs if s.kv_source is not None and s.kv_source not in indices]
+    if orphans:
+        raise ValueError(f"layer_specs: layers {orphans} read another layer's KV (kv_source) "
+                         "that is not among the specs")
     sizes = {s.block_size for s in specs}
     if len(sizes) != 1:
         raise ValueError(
@@ -254,7 +283,8 @@ def plan_pool(
         raise ValueError(f"memory_bytes: expected an integer > 0 and <= {MAX_MEMORY_BYTES:,} "
                          f"(int64 bytes), got {shown}")
     ispecs = _check_index_specs(index_specs, specs)
-    pages = [s.page_bytes(alignment) for s in specs]
+    # A layer that reads another layer's cache (KV sharing) takes no page of its own.
+    pages = [0 if s.kv_source is not None else s.page_bytes(alignment) for s in specs]
     ipages = [s.page_bytes(alignment) for s in ispecs]
     for s, page in zip(specs + ispecs, pages + ipages):
         if page % s.storage_dtype.itemsize:
@@ -284,6 +314,9 @@ def plan_pool(
                   bytes_per_token=s.bytes_per_token, page_bytes=page, shape=s.cache_shape(num_blocks),
                   dtype=s.storage_dtype, bytes=size, offset=off)
         for s, page, off, size in zip(ispecs, ipages, offsets[len(specs):], region_bytes[len(specs):]))
+    owner = {s.layer_index: off for s, off in zip(specs, offsets)}
+    offsets = [owner.get(s.kv_source, off) if s.kv_source is not None else off
+               for s, off in zip(specs, offsets[:len(specs)])]
     # The cap, not the budget, decided the count.
     limited = affordable > MAX_NUM_BLOCKS and num_blocks == MAX_NUM_BLOCKS
     layers = tuple(
@@ -298,6 +331,7 @@ def plan_pool(
             dtype=s.storage_dtype,
             bytes=size,
             offset=off,
+            kv_source=s.kv_source,
         )
         for s, page, off, size in zip(specs, pages, offsets, region_bytes)
     )
@@ -329,7 +363,10 @@ def plan_model(cache_config, model_config, memory_bytes: int, alignment: int | N
     """Resolve every layer of `model_config` under `cache_config`, then plan the pool
     (at most MAX_NUM_BLOCKS blocks: int32 block ids)."""
     check_configs(cache_config, model_config)
-    return plan_pool(resolve_model(cache_config, model_config), memory_bytes, alignment)
+    plan = plan_pool(resolve_model(cache_config, model_config), memory_bytes, alignment)
+    if model_config.non_mla_layers:  # allocate() keeps layer indices (None: no MLA cache)
+        plan = replace(plan, num_model_layers=model_config.num_layers)
+    return plan
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -157,6 +157,9 @@ class LayerCacheSpec:
     entry_elems: int
     bytes_per_token: int
     workspace_dtype: torch.dtype  # dtype the gather writes: model dtype
+    # The layer whose cache this one reads (KV sharing, mistral_large4), or None.
+    # Such a layer has its source's format and entry and no cache of its own.
+    kv_source: int | None = None
 
     def __post_init__(self):
         f = self.format
@@ -270,6 +273,14 @@ def resolve_layer(
     check_configs(cache_config, model_config)
     cache_config.check_against(model_config)
     index = _layer_index(model_config, layer, prefix)
+    if index in model_config.non_mla_layers:
+        raise ValueError(f"layer {index} of {model_config.name} is not an MLA layer (its "
+                         "layer_types entry is linear attention): it has no MLA cache")
+    source = model_config.kv_source(index)
+    if source is not None:  # it reads its source's cache: the source's format and entry
+        return replace(resolve_layer(cache_config, model_config, layer=source),
+                       layer_index=index, kv_source=source)
+    full, model_config = model_config, model_config.for_layer(index)  # its own L, R size its entry
     requested = get_format(cache_config.kv_cache_dtype, "kv_cache_dtype")
     reason = _skip_reason(cache_config, model_config, index)
     fmt = get_format("auto") if reason is not None else requested
@@ -278,7 +289,12 @@ def resolve_layer(
         try:
             fmt.check_dims(model_config.L, model_config.R)
         except ValueError as exc:
-            raise ValueError(f"layer {index} of {model_config.name}: {exc}") from None
+            hint = ""
+            if (model_config.L, model_config.R) != (full.L, full.R):
+                hint = (f" (this layer's own dims; skip it to keep it native: skip_layers "
+                        f"{'sliding_window or ' if index in full.sliding_window_layers else ''}"
+                        f"{index})")
+            raise ValueError(f"layer {index} of {model_config.name}: {exc}{hint}") from None
     return LayerCacheSpec(
         layer_index=index,
         format=fmt,
@@ -305,9 +321,11 @@ def resolve_layer(
 def resolve_model(
     cache_config: CacheConfig, model_config: MLAModelConfig
 ) -> tuple[LayerCacheSpec, ...]:
-    """The cache spec of every layer, in layer order (O(num_layers): the model
-    config bounds it, models.MAX_NUM_LAYERS)."""
+    """The cache spec of every MLA layer, in layer order (O(num_layers): the model
+    config bounds it, models.MAX_NUM_LAYERS); layers that are not MLA (linear
+    attention) have none."""
     check_configs(cache_config, model_config)
     return tuple(
         resolve_layer(cache_config, model_config, layer=i) for i in range(model_config.num_layers)
+        if i not in model_config.non_mla_layers
     )

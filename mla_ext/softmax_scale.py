@@ -40,9 +40,11 @@ def base_scale(P: int, R: int) -> SoftmaxScale:
     return SoftmaxScale((P + R) ** -0.5, f"{_base_text(P, R)} (no rope scaling)")
 
 
-def _rope_dict(raw: dict, name: str) -> tuple[str | None, dict | None]:
+def _rope_dict(raw: dict, name: str, layer_type: str | None = None) -> tuple[str | None, dict | None]:
     """The rope-scaling dict and the key it came from; transformers 5's
-    `rope_parameters` wins over a leftover `rope_scaling`."""
+    `rope_parameters` wins over a leftover `rope_scaling`. transformers 5 also
+    writes one dict per layer type ({"full_attention": {...}, "sliding_attention":
+    {...}}): then the dict of `layer_type` (default: the first non-sliding one)."""
     for key in ("rope_parameters", "rope_scaling"):
         value = raw.get(key)
         if value is None:
@@ -50,6 +52,11 @@ def _rope_dict(raw: dict, name: str) -> tuple[str | None, dict | None]:
         if not isinstance(value, dict):
             raise ValueError(f"model config {name}: {key} must be an object (dict) or null; "
                              f"got {value!r}")
+        if value and all(isinstance(v, dict) for v in value.values()):
+            kinds = list(value)
+            pick = layer_type if layer_type in value else \
+                next((k for k in kinds if "sliding" not in k), kinds[0])
+            return f"{key}[{pick!r}]", value[pick]
         return key, value
     return None, None
 
@@ -63,12 +70,20 @@ def _number(d: dict, key: str, where: str) -> float:
     return float(value)
 
 
-def scale_from_config(raw: dict, P: int, R: int, name: str) -> SoftmaxScale:
-    """The softmax scale the model's own attention uses, with its derivation."""
+def scale_from_config(raw: dict, P: int, R: int, name: str, *, layer_type: str | None = None,
+                      family=None) -> SoftmaxScale:
+    """The softmax scale the model's own attention uses, with its derivation.
+
+    `layer_type` picks the rope dict of a per-layer-type `rope_parameters`;
+    `family` (mla_ext.families.Family) decides whether the yarn correction applies
+    at all: dots3_note, glm5_next and kimi_linear never apply it in their attention."""
     base = base_scale(P, R)
-    key, rope = _rope_dict(raw, name)
+    key, rope = _rope_dict(raw, name, layer_type)
     if rope is None:
         return base
+    if family is not None and not family.yarn_in_scale:
+        return SoftmaxScale(base.value, f"{_base_text(P, R)} ({family.model_type}'s attention "
+                                        f"never applies a yarn correction to its scale)")
     kind = str(rope.get("rope_type", rope.get("type", "default"))).lower()
     # As in DeepSeek's own modeling code (and transformers'): the correction
     # applies whenever the rope dict carries a non-zero mscale_all_dim, whatever

@@ -16,7 +16,8 @@ quantized cache the module attends to the context latents the cache holds (decod
 by the cache reference).
 
 Bounds (relative Frobenius):
-- fp32: everything within 1e-5 (measured 1.5e-7 to 6.8e-7);
+- fp32: everything within 1e-5 (measured 1.5e-7 to 6.8e-7; up to 1.0e-6 in issue 20's
+  wider campaign);
 - bf16, SPEC §9: within 1e-2 of the float64 reference (mla_ext.prefill.reference) fed
   exactly what mla_ext was given (measured 2.7e-3 to 5.2e-3);
 - bf16 end to end, where the module's own bf16 projections add error: within 2e-2 of
@@ -326,17 +327,16 @@ def test_dtype_comes_from_the_module_weights():
 
 
 def test_unsupported_modules_and_configs_are_clear_errors():
-    from transformers import MiniCPM3Config
-    from transformers.models.minicpm3.modeling_minicpm3 import MiniCPM3Attention
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
 
     cfg = CacheConfig("auto", block_size=BLOCK)
     with pytest.raises(ValueError, match=r"Linear \(from torch.nn.modules.linear\) is not supported"):
         tx.TransformersMLA(torch.nn.Linear(2, 2), cfg)
-    other = MiniCPM3Attention(MiniCPM3Config(
-        hidden_size=64, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
-        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-        num_hidden_layers=2), 0)
-    with pytest.raises(ValueError, match="MiniCPM3Attention .* is not supported"):
+    # Not an MLA module (every MLA family's is taken: test_integration_families.py).
+    other = LlamaAttention(LlamaConfig(hidden_size=64, num_attention_heads=2,
+                                       num_key_value_heads=2, num_hidden_layers=2), 0)
+    with pytest.raises(ValueError, match="LlamaAttention .*model_type 'llama'.* is not supported"):
         tx.TransformersMLA(other, cfg)
 
     module = make_module("v3", torch.float32, **SMALL)

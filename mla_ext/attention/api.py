@@ -44,6 +44,7 @@ import torch
 from mla_ext import _ext
 from mla_ext.attention import reference, torch_backends
 from mla_ext.attention.scratch import AttentionScratch
+from mla_ext.attention.sinks import apply_sinks, check_sinks
 from mla_ext.cache.checks import check_no_internal_overlap, check_no_overlap
 from mla_ext.dispatch import Backend, Dispatcher, pow2_buckets
 
@@ -297,6 +298,7 @@ def varlen_attention(
     *,
     k_rope: torch.Tensor | None = None,
     scratch: AttentionScratch | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Variable-length multi-head attention with LSE, for MLA shapes.
 
@@ -319,6 +321,12 @@ def varlen_attention(
     given (an `AttentionScratch` kept across calls: no per-call allocation),
     else into a new tensor.
 
+    Attention sinks: with `sinks` (a float tensor [N] on q's device) each head's
+    logit joins every row's softmax (attention/sinks.py); it is folded into the
+    backend's result exactly, so every backend serves it, and the returned LSE
+    includes it (merge such a result with sink-free partials only: the sink must
+    enter once).
+
     Returns (o [Tq, N, Dv] in q.dtype, lse [N, Tq] float32, natural log), or
     just o when return_lse is False. max_seqlen_q/k must bound the request
     lengths (checked on CPU; on CUDA it sizes the grid without a sync).
@@ -329,7 +337,10 @@ def varlen_attention(
                         _scratch(scratch))
     return_lse = _flag(return_lse, "return_lse")
     _validate_attention(x)
+    sinks = check_sinks(sinks, q.shape[1], q.device)
     o, lse = ATTENTION(x)
+    if sinks is not None:
+        o, lse = apply_sinks(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 

@@ -32,6 +32,7 @@ def varlen_attention_ref(
     compute_dtype: torch.dtype = torch.float32,
     *,
     k_rope: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention with LSE. Returns (o [Tq,N,Dv] in q.dtype, lse [N,Tq] fp32).
 
@@ -43,6 +44,9 @@ def varlen_attention_ref(
     k_nope [Tk, N, P] and the keys are cat(k_nope, k_rope broadcast over heads),
     P + R = Dqk. The scores are then q[..., :P]·k_nope + q[..., P:]·k_rope, per
     request: the full keys are never built.
+
+    Attention sinks: with `sinks` [N] each head's logit is one more column of every
+    row's softmax whose probability is dropped (no value); the LSE includes it.
     """
     tq, n, _ = q.shape
     dv = v.shape[-1]
@@ -54,6 +58,8 @@ def varlen_attention_ref(
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
         ql, kl = q1 - q0, k1 - k0
         if ql == 0 or kl == 0:
+            if sinks is not None and ql:  # only the sink: o = 0, lse = sink
+                lse[:, q0:q1] = sinks.to(compute_dtype)[:, None]
             continue
         qb = q[q0:q1].to(compute_dtype).transpose(0, 1)  # [N, ql, Dqk]
         kb = k[k0:k1].to(compute_dtype).transpose(0, 1)  # [N, kl, Dqk] (or P)
@@ -65,14 +71,21 @@ def varlen_attention_ref(
             rb = k_rope[k0:k1]
             if rb.dim() == 3 and rb.stride(1) == 0:
                 rb = rb[:, :1]  # one rope row shared by the heads (an expanded view)
-            rb = rb.to(compute_dtype).reshape(kl, -1, rb.shape[-1]).transpose(0, 1)  # [1 or N, kl, R]
+            # [1 or N, kl, R]; the head count is explicit: R = 0 (no rope) leaves no
+            # elements to infer it from.
+            rb = rb.to(compute_dtype).reshape(kl, rb.shape[1] if rb.dim() == 3 else 1,
+                                              rb.shape[-1]).transpose(0, 1)
             s = torch.matmul(qb[..., :p], kb.transpose(1, 2)) + torch.matmul(qb[..., p:], rb.transpose(1, 2))
         s = s * softmax_scale
         if causal:
             i = torch.arange(ql, device=q.device).unsqueeze(1)
             j = torch.arange(kl, device=q.device).unsqueeze(0)
             s = s.masked_fill(j > i + (kl - ql), NEG_INF)
-        row_lse = torch.logsumexp(s, dim=-1)  # [N, ql]; -inf for rows with no key
+        if sinks is not None:  # the sink column joins the softmax, then leaves it
+            col = sinks.to(compute_dtype).view(n, 1, 1).expand(n, ql, 1)
+            row_lse = torch.logsumexp(torch.cat([s, col], dim=-1), dim=-1)
+        else:
+            row_lse = torch.logsumexp(s, dim=-1)  # [N, ql]; -inf for rows with no key
         has_key = torch.isfinite(row_lse)
         # exp(s - lse) is NaN on key-less rows (-inf - -inf); zero them instead.
         p = torch.exp(s - torch.where(has_key, row_lse, 0.0).unsqueeze(-1))

@@ -1,7 +1,21 @@
-"""mla_ext behind Hugging Face transformers' DeepSeek-V2/V3 attention modules.
+"""mla_ext behind Hugging Face transformers' MLA attention modules: every MLA
+family transformers 5.23 ships (mla_ext.families: deepseek_v2, deepseek_v3,
+deepseek_v32, axk1, axk2, bailing_hybrid, dots3_note, glm4_moe_lite, glm5_next,
+glm_moe_dsa, hy_v4, kimi_linear, longcat_flash, minicpm3, mistral4,
+mistral_large4, youtu).
 
-transformers' `DeepseekV2Attention` / `DeepseekV3Attention` (models/deepseek_v2,
-models/deepseek_v3) compute, per token, the same MLA inputs this library takes:
+The family is read from the module's config (`model_type`) and checked against
+the module's class; what differs between families is either in the config
+(dims, per-layer dims, no-rope and KV-sharing layers: mla_ext.models), in the
+small table mla_ext.families (yarn in the scale or not, sinks, sparse, sliding
+windows), or computed by the module's own code: q, kv_c_normed and k_pe are what
+the module's forward hands its cache and its attention function
+(transformers_capture.py), so LoRA or not, latent rescales, k_pe norms, rope
+styles and query temperatures are the family's own. What mla_ext cannot compute
+is refused by name: a sparse (DSA) layer whose queries would see more than
+`index_topk` keys, a sliding-window layer past its window.
+
+For DeepSeek-V2/V3 (models/deepseek_v2, models/deepseek_v3), for example, per token:
 
     q       = q_proj(x)                                  (no q LoRA: V2-Lite)
             | q_b_proj(q_a_layernorm(q_a_proj(x)))       (q LoRA: V2, V3)
@@ -29,9 +43,13 @@ derived from the config (SPEC §10), and building a layer fails if it disagrees
 with the module's own `scaling`.
 
 `reference_attention` runs the module's own forward over whole sequences (causal)
-and returns the input of its o_proj, optionally with the context positions'
-latents replaced by what a paged cache holds: the check used by the tests and
-the demo.
+and returns its attention's output (the input of its output gate, if any, and
+o_proj), optionally with the context positions' latents replaced by what a paged
+cache holds: the check used by the tests and the demo.
+
+The attention output returned is the input of what follows the attention in the
+module (an output gate where the family has one: bailing_hybrid, axk2,
+dots3_note; then o_proj).
 
 transformers is imported lazily (it is a test dependency, not a runtime one).
 """
@@ -47,6 +65,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from mla_ext.families import FAMILIES, Family, family_of
+from mla_ext.integrations.transformers_capture import run_module
+from mla_ext.integrations.transformers_random import randomize_
 from mla_ext.kv_b_proj.from_module import weight_format_from_module
 from mla_ext.kv_b_proj.shard import shard_for
 from mla_ext.kv_b_proj.weights import WeightFormat
@@ -55,12 +76,10 @@ from mla_ext.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.synthetic import SyntheticBatch
 
-# Attention class -> (its transformers module, its rotary embedding class).
+# Attention class -> (its transformers module, its rotary embedding class or None).
 SUPPORTED = {
-    "DeepseekV2Attention": ("transformers.models.deepseek_v2.modeling_deepseek_v2",
-                            "DeepseekV2RotaryEmbedding"),
-    "DeepseekV3Attention": ("transformers.models.deepseek_v3.modeling_deepseek_v3",
-                            "DeepseekV3RotaryEmbedding"),
+    f.attention: (f"transformers.models.{f.module}.modeling_{f.module}", None)
+    for f in FAMILIES.values()
 }
 
 
@@ -82,31 +101,38 @@ def _import(module_path: str):
         ) from exc
 
 
-def attention_kind(module) -> str:
-    """'DeepseekV2Attention' or 'DeepseekV3Attention'; a ValueError for anything else.
-
-    Other transformers MLA modules (GLM-4-MoE-Lite, MiniCPM3, Kimi-Linear, ...) are
-    generated copies of these with their own changes (indexers, rope variants, norms),
-    so they are refused rather than assumed to compute the same thing."""
+def family_of_module(module) -> Family:
+    """The module's MLA family (mla_ext.families), from its config's model_type,
+    checked against its class; a ValueError naming what it is otherwise."""
     if not isinstance(module, nn.Module):
-        raise ValueError(f"module: expected a transformers DeepseekV2Attention or "
-                         f"DeepseekV3Attention, got {type(module).__name__}")
+        raise ValueError(f"module: expected a transformers MLA attention module (one of "
+                         f"{', '.join(sorted(FAMILIES))}), got {type(module).__name__}")
     where = type(module).__module__
-    if where.startswith("transformers."):
-        for name, (path, _) in SUPPORTED.items():
-            if isinstance(module, getattr(_import(path), name)):
-                return name
+    cfg = getattr(module, "config", None)
+    family = family_of(getattr(cfg, "model_type", None))
+    if where.startswith("transformers.") and family is not None:
+        lib = _import(f"transformers.models.{family.module}.modeling_{family.module}")
+        if isinstance(module, getattr(lib, family.attention)):
+            return family
+    said = f" (config model_type {cfg.model_type!r})" if getattr(cfg, "model_type", None) else ""
     raise ValueError(
-        f"module: {type(module).__name__} (from {where}) is not supported; expected "
-        f"transformers' {' or '.join(SUPPORTED)} (other MLA variants differ in rope, norms "
-        "or sparse indexers and are not assumed to match)"
+        f"module: {type(module).__name__} (from {where}){said} is not supported; expected "
+        f"the MLA attention module of a transformers family: "
+        + ", ".join(f"{f.model_type} ({f.attention})" for f in FAMILIES.values())
     )
 
 
+def attention_kind(module) -> str:
+    """The module's attention class name (e.g. 'DeepseekV3Attention'); a ValueError
+    for anything that is not an MLA family's attention module."""
+    return family_of_module(module).attention
+
+
 def _check_module(module) -> str:
-    kind = attention_kind(module)
-    cfg = module.config
-    n, n_kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+    family = family_of_module(module)
+    kind = family.attention
+    n = _layer_attr(module, "num_attention_heads")
+    n_kv = _layer_attr(module, "num_key_value_heads")
     if n_kv not in (None, n):
         raise ValueError(
             f"{kind} layer {module.layer_idx}: num_key_value_heads={n_kv} differs from "
@@ -128,10 +154,29 @@ def _check_module(module) -> str:
     return kind
 
 
+def _layer_attr(module, name: str):
+    """A config attribute as the module's layer sees it: its per_layer_config entry
+    where the config has per-layer values (dots3_note's sliding layers), else the
+    config's own (None when it has none)."""
+    cfg = module.config
+    per_layer = getattr(cfg, "per_layer_config", None)
+    if per_layer is not None and module.layer_idx is not None:
+        try:
+            return getattr(per_layer[module.layer_idx], name)
+        except (AttributeError, KeyError, IndexError, TypeError):
+            pass
+    return getattr(cfg, name, None)
+
+
 def module_dtype(module) -> torch.dtype:
-    """The dtype the module's activations are in: that of kv_a_layernorm's weight
-    (a norm is never quantized, unlike the linears of an fp8 checkpoint)."""
-    return module.kv_a_layernorm.weight.dtype
+    """The dtype the module's activations are in: that of a norm's weight (a norm is
+    never quantized, unlike the linears of an fp8 checkpoint): kv_a_layernorm, or
+    q_a_layernorm / o_proj on a layer that reads another's KV (no kv_a_layernorm)."""
+    for name in ("kv_a_layernorm", "q_a_layernorm"):
+        norm = getattr(module, name, None)
+        if norm is not None and getattr(norm, "weight", None) is not None:
+            return norm.weight.dtype
+    return module.o_proj.weight.dtype
 
 
 def model_config_from_module(module, name: str | None = None) -> MLAModelConfig:
@@ -148,11 +193,24 @@ def model_config_from_module(module, name: str | None = None) -> MLAModelConfig:
             f"; the config says {str(model.model_dtype).removeprefix('torch.')}"
         model = replace(model, model_dtype=dtype,
                         dtype_source=f"the module's weights ({kind}.kv_a_layernorm){said}")
+    index = module.layer_idx if module.layer_idx is not None else 0
+    if not 0 <= index < model.num_layers:
+        raise ValueError(f"{kind}: layer_idx {index} is out of range for its config's "
+                         f"{model.num_layers} layers")
+    mine = model.for_layer(index)
+    # The module's own dims must be its config's (a module edited after building
+    # would otherwise fail later, in a torch.split, without naming anything).
+    for attr, ours in (("kv_lora_rank", mine.L), ("qk_rope_head_dim", mine.R),
+                       ("qk_nope_head_dim", mine.P), ("v_head_dim", mine.V)):
+        theirs = getattr(module, attr, None)
+        if theirs is not None and theirs != ours:
+            raise ValueError(f"{kind} layer {index}: module.{attr}={theirs} disagrees with its "
+                             f"config ({ours} for this layer); the module and config differ")
     scaling = getattr(module, "scaling", None)
-    if scaling is not None and not math.isclose(model.softmax_scale, scaling, rel_tol=1e-9):
+    if scaling is not None and not math.isclose(mine.softmax_scale, scaling, rel_tol=1e-9):
         raise ValueError(
-            f"{kind} layer {module.layer_idx}: the softmax scale derived from the config "
-            f"({model.softmax_scale!r}: {model.softmax_scale_source}) differs from the "
+            f"{kind} layer {index}: the softmax scale derived from the config "
+            f"({mine.softmax_scale!r}: {mine.softmax_scale_source}) differs from the "
             f"module's own scaling {scaling!r}; the config and the module disagree"
         )
     return model
@@ -188,17 +246,27 @@ def prefill_from_module(module, cache_config: CacheConfig, *,
     weight = kv_b_proj if kv_b_proj is not None else kv_b_proj_weight(module)
     if tp_size != 1:
         model = model.shard(tp_size, tp_rank)
-        weight = shard_for(weight_format_from_module(weight, arg="kv_b_proj"), model)
-    return MLAPrefill(model, cache_config, weight, layer=index, **prefill_kwargs)
+        weight = shard_for(weight_format_from_module(weight, arg="kv_b_proj"),
+                           model.for_layer(index))
+    sinks = getattr(module, "sinks", None) if family_of_module(module).sinks else None
+    if sinks is not None:
+        n = model.for_layer(index).num_heads
+        sinks = sinks.detach().float()[model.tp_rank * n:(model.tp_rank + 1) * n]
+    return MLAPrefill(model, cache_config, weight, layer=index, sinks=sinks, **prefill_kwargs)
 
 
-def rotary_embedding_for(module) -> nn.Module:
+def rotary_embedding_for(module) -> nn.Module | None:
     """A rotary embedding for the module's config (transformers keeps it in the model,
-    `model.model.rotary_emb`, not in the attention module), on the module's device."""
-    kind = attention_kind(module)
-    path, cls_name = SUPPORTED[kind]
-    rotary = getattr(_import(path), cls_name)(config=module.config)
-    return rotary.to(module.kv_a_layernorm.weight.device)
+    `model.model.rotary_emb`, not in the attention module), on the module's device;
+    None for a family without one (kimi_linear, glm5_next)."""
+    family = family_of_module(module)
+    lib = _import(SUPPORTED[family.attention][0])
+    prefix = family.attention.removesuffix("Attention").removesuffix("MLA")
+    cls = getattr(lib, f"{prefix}RotaryEmbedding", None)
+    if cls is None:
+        return None
+    device = next(module.parameters()).device
+    return cls(config=module.config).to(device)
 
 
 def _batched(module, hidden_states: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -229,81 +297,56 @@ def _batched(module, hidden_states: Tensor, position_ids: Tensor) -> tuple[Tenso
     return x, pos
 
 
-def _rope(module, kind: str, q_rot: Tensor, k_rot: Tensor, pe) -> tuple[Tensor, Tensor]:
-    """The module's own rotary application (as in its forward)."""
-    lib = sys.modules[type(module).__module__]
-    if kind == "DeepseekV2Attention":
-        return lib.apply_rotary_emb(q_rot, k_rot, pe.to(q_rot.device))
-    cos, sin = pe
-    if module.config.rope_interleave:
-        return lib.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
-    return lib.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+def _flat(t: Tensor) -> Tensor:
+    """[B, 1, S, D] latents -> [B*S, D] (D may be 0: no rope part)."""
+    return t.reshape(t.shape[0] * t.shape[2], t.shape[-1]).contiguous()
 
 
 def mla_inputs(module, hidden_states: Tensor, position_ids: Tensor, *,
-               rotary_emb: nn.Module | None = None) -> MLAInputs:
-    """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the tokens, computed as the
-    module's forward computes them before its cache update (T = B*S, batch-major).
+               rotary_emb: nn.Module | None = None,
+               shared_kv: dict | None = None) -> MLAInputs:
+    """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the tokens, as the module's
+    own forward hands them to its cache and its attention (T = B*S, batch-major).
 
     hidden_states [T, H] with position_ids [T], or [B, S, H] with [B, S] (or [S]).
     rotary_emb: the model's rotary embedding (`model.model.rotary_emb`); built from
-    the config when not given."""
+    the config when not given. shared_kv: for a layer that reads another layer's KV
+    (mistral_large4), the `shared_kv_states` dict its source layer filled; the
+    latents returned are then the source's."""
     kind = _check_module(module)
     x, pos = _batched(module, hidden_states, position_ids)
-    B, S = x.shape[:2]
-    N, P, R, L = module.num_heads, module.qk_nope_head_dim, module.qk_rope_head_dim, module.kv_lora_rank
+    key = "rope" if getattr(module, "use_rope", True) else "nope"
+    if getattr(module, "is_kv_shared_layer", False) and key not in (shared_kv or {}):
+        raise ValueError(f"{kind} layer {module.layer_idx} reads another layer's KV "
+                         f"(KV sharing): pass shared_kv, the shared_kv_states its source "
+                         f"layer filled (key {key!r})")
     rotary = rotary_emb if rotary_emb is not None else rotary_embedding_for(module)
-    pe = rotary(x, pos)
-    if module.q_lora_rank is None:
-        q = module.q_proj(x)
-    else:
-        q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(x)))
-    q = q.view(B, S, N, P + R).transpose(1, 2)  # [B, N, S, P+R], the module's layout
-    q_pass, q_rot = torch.split(q, [P, R], dim=-1)
-    kv_c, k_rot = torch.split(module.kv_a_proj_with_mqa(x), [L, R], dim=-1)
-    kv_c = module.kv_a_layernorm(kv_c)
-    k_rot = k_rot.reshape(B, 1, S, R)
-    q_rot, k_rot = _rope(module, kind, q_rot, k_rot, pe)
-    q = torch.cat((q_pass, q_rot), dim=-1).transpose(1, 2).reshape(B * S, N, P + R)
-    return MLAInputs(q.contiguous(), kv_c.reshape(B * S, L).contiguous(),
-                     k_rot.reshape(B * S, R).contiguous())
-
-
-class _StoredContext:
-    """Stands in for a transformers Cache in `module.forward`: `update` hands the
-    layer's latents back with the first C positions of each sequence replaced by
-    the given ones (what a paged cache holds, e.g. after fp8 rounding)."""
-
-    def __init__(self, kv_c: Tensor, k_pe: Tensor):
-        self.kv_c, self.k_pe = kv_c, k_pe  # [B, C, L], [B, C, R]
-
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx, *args, **kwargs):
-        C = self.kv_c.shape[1]
-        k, v = key_states.clone(), value_states.clone()  # [B, 1, S, L], [B, 1, S, R]
-        k[:, 0, :C] = self.kv_c.to(device=k.device, dtype=k.dtype)
-        v[:, 0, :C] = self.k_pe.to(device=v.device, dtype=v.dtype)
-        return k, v
+    got = run_module(module, x, pos, rotary, reference=False, shared_kv=shared_kv,
+                     mask=family_of_module(module).mask)
+    latents = got.latents if got.latents is not None else shared_kv[key]
+    q = got.query.transpose(1, 2)  # [B, S, N, P+R]
+    q = q.reshape(-1, q.shape[-2], q.shape[-1]).contiguous()
+    return MLAInputs(q, _flat(latents[0]), _flat(latents[1]))
 
 
 def reference_attention(module, hidden_states: Tensor, position_ids: Tensor, *,
                         rotary_emb: nn.Module | None = None,
-                        context_latents: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                        context_latents: tuple[Tensor, Tensor] | None = None,
+                        shared_kv: dict | None = None) -> Tensor:
     """transformers' own attention over whole sequences: the module's forward with a
-    causal mask; returns the input of its o_proj as [B*S, N, V].
+    causal mask (its own sinks, sparse index mask, ...); returns the attention's
+    output, the input of the module's output gate / o_proj, as [B*S, N, V].
 
     context_latents (kv_c, k_pe), each [C, .] (one sequence) or [B, C, .]: the latents
     of the first C positions as a paged cache holds them (the k_pe with RoPE applied,
     in the module's rotary layout); the module then attends to those instead of its own.
+    shared_kv: as in mla_inputs (a KV-sharing layer's source latents, [B, 1, S, .]).
     Run the module in eval mode (attention dropout is applied in training mode)."""
     _check_module(module)
     x, pos = _batched(module, hidden_states, position_ids)
     B, S = x.shape[:2]
     rotary = rotary_emb if rotary_emb is not None else rotary_embedding_for(module)
-    pe = rotary(x, pos)
-    allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-    mask = torch.zeros(S, S, dtype=x.dtype, device=x.device).masked_fill(
-        ~allowed, torch.finfo(x.dtype).min)[None, None].expand(B, 1, S, S)
-    past = None
+    context = None
     if context_latents is not None:
         kv_c, k_pe = (t if t.dim() == 3 else t[None] for t in context_latents)
         C = kv_c.shape[1]
@@ -311,38 +354,83 @@ def reference_attention(module, hidden_states: Tensor, position_ids: Tensor, *,
             raise ValueError(f"context_latents: expected [{B}, C <= {S}, .] (or [C, .] for one "
                              f"sequence), got {tuple(context_latents[0].shape)} and "
                              f"{tuple(context_latents[1].shape)}")
-        past = _StoredContext(kv_c, k_pe)
-    seen = []
-    hook = module.o_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
-    try:
-        module(hidden_states=x, position_embeddings=pe, attention_mask=mask, past_key_values=past)
-    finally:
-        hook.remove()
-    return seen[0].reshape(B * S, module.num_heads, module.v_head_dim)
+        context = (kv_c, k_pe)
+        if shared_kv:  # a KV-sharing layer attends to its source's stored latents
+            shared_kv = {key: _with_context(v, context) for key, v in shared_kv.items()}
+    got = run_module(module, x, pos, rotary, reference=True, context=context, shared_kv=shared_kv,
+                     mask=family_of_module(module).mask)
+    out = got.output  # [B, S, N, V]
+    return out.reshape(B * S, out.shape[-2], out.shape[-1])
+
+
+def _with_context(latents: tuple[Tensor, Tensor], context: tuple[Tensor, Tensor]):
+    """Shared latents ([B, 1, S, .] pair) with the first C positions replaced."""
+    k, v = latents[0].clone(), latents[1].clone()
+    C = context[0].shape[1]
+    k[:, 0, :C] = context[0].to(k.dtype)
+    v[:, 0, :C] = context[1].to(v.dtype)
+    return k, v
 
 
 class TransformersMLA:
-    """One transformers DeepSeek-V2/V3 attention layer served by mla_ext's prefill.
+    """One transformers MLA attention layer (any family in mla_ext.families) served
+    by mla_ext's prefill.
 
     `prefill` is the layer's MLAPrefill (`prefill.explain()` prints its plan);
     `inputs` computes q / kv_c_normed / k_pe with the module's own code; calling
     the object runs prefill-with-context for new tokens whose context is already in
-    the paged cache, returning [T, N, V] (the input of the module's o_proj)."""
+    the paged cache, returning [T, N, V] (the input of the module's output gate /
+    o_proj). `family` is the module's mla_ext.families entry; `kv_source` the layer
+    whose cache this one reads (KV sharing) or None; `max_keys` the most keys a
+    query may see here (a sparse layer's index_topk, a sliding layer's window) or
+    None: past it the layer refuses rather than compute dense attention."""
 
     def __init__(self, module, cache_config: CacheConfig, *, kv_b_proj: WeightFormat | None = None,
                  rotary_emb: nn.Module | None = None, layer: int | None = None,
                  tp_size: int = 1, tp_rank: int = 0, **prefill_kwargs):
         self.module = module
+        self.family = family_of_module(module)
         self.prefill = prefill_from_module(module, cache_config, kv_b_proj=kv_b_proj, layer=layer,
                                            tp_size=tp_size, tp_rank=tp_rank, **prefill_kwargs)
         self.model = self.prefill.model
         n = self.model.num_heads
         self.heads = slice(self.model.tp_rank * n, (self.model.tp_rank + 1) * n)
         self.rotary_emb = rotary_emb if rotary_emb is not None else rotary_embedding_for(module)
+        index = self.prefill.layer_index
+        self.kv_source = model_config_from_module(module).kv_source(index)
+        self.max_keys, self.limit_reason = _key_limit(module, self.family, index)
 
-    def inputs(self, hidden_states: Tensor, position_ids: Tensor) -> MLAInputs:
-        """The tokens' MLA inputs; q of this rank's heads only (`self.heads`)."""
-        x = mla_inputs(self.module, hidden_states, position_ids, rotary_emb=self.rotary_emb)
+    def explain(self, device=None) -> str:
+        """The layer's plan (MLAPrefill.explain) with its family and limits."""
+        f, i = self.family, self.prefill.layer_index
+        lines = [f"{f.model_type} ({f.attention}) layer {i}"
+                 + (f": {f.note}" if f.note else ""),
+                 f"  dense attention equals this layer's up to {self.max_keys} keys per query "
+                 f"({self.limit_reason}); refused past it" if self.max_keys is not None else
+                 "  dense attention: no key limit",
+                 f"  reads layer {self.kv_source}'s KV cache (KV sharing)"
+                 if self.kv_source is not None else "  keeps its own KV cache"]
+        return "\n".join(lines + [self.prefill.explain(device)])
+
+    def check_lengths(self, metadata: PrefillMetadata) -> None:
+        """Refuses a batch whose queries would see more keys than this layer's dense
+        attention equals the family's (sparse: index_topk; sliding: the window)."""
+        if self.max_keys is None:
+            return
+        for r, (c, q) in enumerate(zip(metadata.context_lens, metadata.query_lens)):
+            if c + q > self.max_keys:
+                raise ValueError(
+                    f"{self.family.model_type} layer {self.prefill.layer_index}: request {r} has "
+                    f"{c} context + {q} new tokens = {c + q} keys for its last query, more than "
+                    f"{self.limit_reason}; mla_ext computes dense attention, which equals "
+                    f"this layer's only up to {self.max_keys} keys")
+
+    def inputs(self, hidden_states: Tensor, position_ids: Tensor,
+               shared_kv: dict | None = None) -> MLAInputs:
+        """The tokens' MLA inputs; q of this rank's heads only (`self.heads`).
+        shared_kv: see `mla_inputs` (layers that read another layer's KV)."""
+        x = mla_inputs(self.module, hidden_states, position_ids, rotary_emb=self.rotary_emb,
+                       shared_kv=shared_kv)
         if self.model.tp_size == 1:
             return x
         return x._replace(q=x.q[:, self.heads].contiguous())
@@ -351,6 +439,7 @@ class TransformersMLA:
     def write_cache(self, hidden_states: Tensor, position_ids: Tensor, kv_cache: Tensor,
                     slot_mapping: Tensor, k_scale: Tensor | None = None) -> MLAInputs:
         """Computes the tokens' latents and stores them in the layer's cache format."""
+        self._owns_kv("write_cache")
         x = self.inputs(hidden_states, position_ids)
         self.prefill.write_cache(x.kv_c_normed, x.k_pe, kv_cache, slot_mapping, k_scale)
         return x
@@ -358,11 +447,18 @@ class TransformersMLA:
     @torch.no_grad()
     def forward(self, hidden_states: Tensor, position_ids: Tensor, kv_cache: Tensor,
                 metadata: PrefillMetadata, *, slot_mapping: Tensor | None = None,
-                k_scale: Tensor | None = None, workspace: Tensor | None = None) -> Tensor:
+                k_scale: Tensor | None = None, workspace: Tensor | None = None,
+                shared_kv: dict | None = None) -> Tensor:
         """New tokens (hidden_states [T, H], position_ids [T], requests in metadata order)
         -> [T, N, V]. With slot_mapping, the new tokens are also stored in the cache
-        (as a serving engine does before attention; their slots are past each context)."""
-        x = self.inputs(hidden_states, position_ids)
+        (as a serving engine does before attention; their slots are past each context).
+        A layer that reads another layer's KV (`kv_source`) takes that layer's cache
+        as kv_cache and its new tokens' latents through `shared_kv` (the dict
+        {"rope" | "nope": ([1, 1, T, L], [1, 1, T, R])} its source filled)."""
+        self.check_lengths(metadata)
+        if slot_mapping is not None:
+            self._owns_kv("forward(slot_mapping=)")
+        x = self.inputs(hidden_states, position_ids, shared_kv=shared_kv)
         if slot_mapping is not None:
             self.prefill.write_cache(x.kv_c_normed, x.k_pe, kv_cache, slot_mapping,
                                      k_scale if k_scale is not None else metadata.k_scale)
@@ -371,10 +467,41 @@ class TransformersMLA:
 
     __call__ = forward
 
+    def _owns_kv(self, what: str) -> None:
+        if self.kv_source is not None:
+            raise ValueError(f"{self.family.model_type} layer {self.prefill.layer_index}: {what} "
+                             f"refused: this layer reads layer {self.kv_source}'s KV cache (KV "
+                             f"sharing) and stores none; write through layer {self.kv_source}")
+
     def o_proj(self, out: Tensor) -> Tensor:
         """The module's output projection of a [T, N, V] attention output -> [T, hidden]
-        (all heads: with tensor parallelism, gather the ranks' outputs first)."""
+        (all heads: with tensor parallelism, gather the ranks' outputs first). Refused
+        for a family with an output gate between the two (bailing_hybrid, axk2,
+        dots3_note): that gate depends on the hidden states and is the module's."""
+        if self.family.output_gate:
+            raise ValueError(f"{self.family.model_type}: o_proj alone would skip the module's "
+                             "output gate (sigmoid of a projection of the hidden states, applied "
+                             "to the attention output first); apply the module's gate, then "
+                             "module.o_proj")
         return self.module.o_proj(out.reshape(out.shape[0], -1))
+
+
+def _key_limit(module, family: Family, index: int) -> tuple[int | None, str]:
+    """(the most keys a query may see for dense attention to equal the layer's, why)."""
+    cfg = module.config
+    limits = []
+    if getattr(module, "indexer", None) is not None or (family.sparse and getattr(module, "skip_topk", False)):
+        topk = getattr(cfg, "index_topk", None)
+        if topk is not None:
+            limits.append((int(topk), f"index_topk={topk} (sparse attention: each query "
+                                      "attends to its top index_topk keys only)"))
+    window = getattr(module, "sliding_window", None)
+    if window is not None:
+        limits.append((int(window), f"sliding_window={window} (this layer attends within a "
+                                    "window)"))
+    if not limits:
+        return None, ""
+    return min(limits)
 
 
 def random_attention(version: str = "v3", *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
@@ -402,17 +529,7 @@ def random_attention(version: str = "v3", *, dtype: torch.dtype = torch.bfloat16
     if version == "v3":
         kw.setdefault("dtype", str(dtype).removeprefix("torch."))
     module = getattr(lib, f"{name}Attention")(config_cls(**kw), layer_idx=layer_idx)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, p in module.named_parameters():
-            if "layernorm" in pname:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 2:
-                gain = 2.0 if pname.startswith("q_") else 1.0
-                p.copy_(gain * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    return module.to(dtype).eval()
+    return randomize_(module, seed).to(dtype).eval()
 
 
 class SideBySide(NamedTuple):
@@ -445,7 +562,8 @@ def relative_error(a: Tensor, b: Tensor) -> float:
 
 @torch.no_grad()
 def prefill_beside_transformers(layer: TransformersMLA, sequences: list[Tensor], context_lens,
-                                *, exact: bool = True, seed: int = 0) -> SideBySide:
+                                *, exact: bool = True, seed: int = 0,
+                                source: TransformersMLA | None = None) -> SideBySide:
     """Runs a batch of requests both ways. Request r is `sequences[r]` [ctx_r + q_r, H]
     at positions 0, 1, ...; its first `context_lens[r]` tokens are the context.
 
@@ -457,7 +575,9 @@ def prefill_beside_transformers(layer: TransformersMLA, sequences: list[Tensor],
     also a float64 copy of the module whose kv_b_proj is the layer's weight format
     dequantized. The module itself must compute with that weight (for a quantized
     format, give the module the dequantized weight). With tensor parallelism the
-    comparison covers the layer's own heads (`layer.heads`)."""
+    comparison covers the layer's own heads (`layer.heads`). A layer that reads
+    another layer's KV needs that layer as `source`: it computes and stores the
+    latents, this layer's module reads them as its shared_kv_states."""
     ctx_lens = [int(c) for c in context_lens]
     if len(ctx_lens) != len(sequences):
         raise ValueError(f"context_lens: expected {len(sequences)} entries (one per sequence), "
@@ -473,29 +593,46 @@ def prefill_beside_transformers(layer: TransformersMLA, sequences: list[Tensor],
     def part(ts, new: bool):
         return torch.cat([t[c:] if new else t[:c] for t, c in zip(ts, ctx_lens)])
 
-    ctx = layer.inputs(part(sequences, False), part(pos, False))
-    k_scale = prefill.compute_kv_scale(ctx.kv_c_normed, ctx.k_pe)
-    cache = batch.fill_cache(prefill, ctx.kv_c_normed, ctx.k_pe, k_scale)
+    if layer.kv_source is not None and (source is None or source.prefill.layer_index != layer.kv_source):
+        raise ValueError(f"source: layer {prefill.layer_index} reads layer {layer.kv_source}'s KV; "
+                         f"pass that layer's TransformersMLA as source")
+    writer = source if layer.kv_source is not None else layer
+    key = "rope" if getattr(module, "use_rope", True) else "nope"
+
+    def shared(src_module, x, p):
+        """A KV-sharing layer's shared_kv_states for tokens x (its source's latents)."""
+        if layer.kv_source is None:
+            return None
+        lat = mla_inputs(src_module, x, p)
+        return {key: (lat.kv_c_normed[None, None], lat.k_pe[None, None])}
+
+    layer.check_lengths(batch.metadata())
+    ctx = writer.inputs(part(sequences, False), part(pos, False))
+    k_scale = writer.prefill.compute_kv_scale(ctx.kv_c_normed, ctx.k_pe)
+    cache = batch.fill_cache(writer.prefill, ctx.kv_c_normed, ctx.k_pe, k_scale)
     meta = batch.metadata(k_scale)
-    new = layer.inputs(part(sequences, True), part(pos, True))
+    x_new, p_new = part(sequences, True), part(pos, True)
+    new = layer.inputs(x_new, p_new, shared_kv=shared(writer.module, x_new, p_new))
     out = prefill(new.q, new.kv_c_normed, new.k_pe, cache, meta, k_scale=k_scale)
     held = batch.cached_rows(prefill, cache, k_scale)
 
-    def reference(m, rotary) -> Tensor:
+    def reference(m, src, rotary) -> Tensor:
         dtype = module_dtype(m)
         outs = []
         for r, (x, p, c) in enumerate(zip(sequences, pos, ctx_lens)):
             lat = (held[0][r], held[1][r]) if prefill.spec.is_quantized and c else None
             outs.append(reference_attention(m, x.to(dtype), p, rotary_emb=rotary,
-                                             context_latents=lat)[c:])
+                                             context_latents=lat,
+                                             shared_kv=shared(src, x.to(dtype), p))[c:])
         return torch.cat(outs)
 
-    theirs = reference(module, layer.rotary_emb)[:, layer.heads]
+    theirs = reference(module, writer.module, layer.rotary_emb)[:, layer.heads]
     m64 = exact64 = None
     if exact:
         m64 = copy.deepcopy(module).double()
+        src64 = copy.deepcopy(writer.module).double() if layer.kv_source is not None else None
         hd = layer.model.P + layer.model.V  # this rank's heads' rows (all of them at TP 1)
         rows = slice(layer.heads.start * hd, layer.heads.stop * hd)
         m64.kv_b_proj.weight[rows] = prefill.kv_b_proj.weight_format.dequantize_fp32().double()
-        exact64 = reference(m64, rotary_embedding_for(m64))[:, layer.heads]
+        exact64 = reference(m64, src64, rotary_embedding_for(m64))[:, layer.heads]
     return SideBySide(out, theirs, exact64, new, held, meta, k_scale, m64)

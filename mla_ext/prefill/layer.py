@@ -46,6 +46,7 @@ from torch import Tensor
 
 from mla_ext._args import as_device
 from mla_ext.attention.api import merge_attn_states, varlen_attention
+from mla_ext.attention.sinks import check_sinks
 from mla_ext.attention.scratch import AttentionScratch
 from mla_ext.cache import api as cache_api
 from mla_ext.cache import checks as cache_checks
@@ -227,19 +228,25 @@ class MLAPrefill:
         validate: bool | None = None,
         context_attention: str = "auto",
         sparse=None,
+        sinks: Tensor | None = None,
     ):
         """`validate`: the block-id range check of `forward` (module docstring):
         True always (a host sync on a GPU), False never, None (default) only when
         it is free (block table on the CPU). `forward(validate=)` overrides it.
         `context_attention`: "auto" (per chunk, by cost model), "absorbed" or
-        "up_project" (every chunk that way); see the module docstring."""
+        "up_project" (every chunk that way); see the module docstring.
+        `sinks`: attention-sink logits, a float tensor [num_heads] (this rank's
+        heads), or None: each head's logit joins every softmax (attention/sinks.py).
+        It is folded once, into the new-token pass, so the LSE merges with the
+        context chunks (up-projected or absorbed) stay exact."""
         check_configs(cache_config, model, model_arg="model")
         if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
             raise ValueError(f"context_parallel: expected a ContextParallel or None, got "
                              f"{type(context_parallel).__name__}")
         self.validate = check_bool(validate, "validate", allow_none=True)
-        self.model = model
         self.spec: LayerCacheSpec = resolve_layer(cache_config, model, layer=layer, prefix=prefix)
+        # This layer's own dims (L, R, P, V, heads, scale), where they differ per layer.
+        self.model = model = model.for_layer(self.spec.layer_index)
         self.kv_b_proj = kv_b_proj if isinstance(kv_b_proj, KvBProj) else KvBProj(kv_b_proj)
         want_n = model.num_heads * (model.P + model.V)
         if (self.kv_b_proj.N, self.kv_b_proj.K) != (want_n, model.L):
@@ -295,6 +302,11 @@ class MLAPrefill:
             raise ValueError("sparse: the sparse (DSA) path does not support context parallelism yet "
                              "(its selected positions index the whole context); pass context_parallel=None")
         self.sparse = sparse
+        if sinks is not None:
+            where = sinks.device if isinstance(sinks, Tensor) else torch.device("cpu")
+            sinks = check_sinks(sinks, model.num_heads, where).detach().clone()
+        self.sinks = sinks
+        self._sinks_at: dict[torch.device, Tensor] = {}
 
     # -- plan ----------------------------------------------------------------
     @property
@@ -325,7 +337,9 @@ class MLAPrefill:
             + (f", context parallel {self.cp.cp_size} ranks (interleave {self.cp.interleave})"
                if self.cp else ""),
             f"  attention: softmax scale {self.softmax_scale:.5f} ({self.softmax_scale_source}); "
-            f"model dtype {self.model.model_dtype} ({self.model.dtype_source})",
+            f"model dtype {self.model.model_dtype} ({self.model.dtype_source})"
+            + ("; attention sinks (one logit per head, folded into the new-token pass)"
+               if self.sinks is not None else ""),
             f"  kv_b_proj: {self.kv_b_proj.weight_format.describe()}; input dtype "
             f"{self.activation_dtype} (fp8 prefill {'on' if self.use_fp8_prefill else 'off'})"
             + (f"; params_dtype {self.kv_b_proj.params_dtype} differs from the model dtype "
@@ -423,6 +437,15 @@ class MLAPrefill:
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 self._unit_scale[device] = unit
         return unit
+
+    def _sinks_on(self, device) -> Tensor | None:
+        """The sink logits on `device` (copied once per device), or None."""
+        if self.sinks is None:
+            return None
+        device = torch.device(device)
+        if device not in self._sinks_at:
+            self._sinks_at[device] = self.sinks.to(device)
+        return self._sinks_at[device]
 
     # -- forward -------------------------------------------------------------
     def _up_project(self, kv_c: Tensor) -> tuple[Tensor, Tensor]:
@@ -683,6 +706,10 @@ class MLAPrefill:
                 raise ValueError(f"index: layer {self.layer_index} is sparse (index_topk="
                                  f"{self.sparse.index_topk}) and a request has more tokens than that; "
                                  "pass the indexer's inputs (mla_ext.sparse.layer.IndexInputs)")
+            if self.sinks is not None:
+                raise ValueError(f"sinks: layer {self.layer_index} has attention sinks and a request past "
+                                 f"index_topk={self.sparse.index_topk}; the sparse (DSA) path does not take "
+                                 "sinks yet (refused rather than silently dropped)")
             from mla_ext.sparse.layer import sparse_forward
 
             return sparse_forward(self, q, kv_c_normed, k_pe, kv_cache, metadata, index, k_scale)
@@ -700,7 +727,8 @@ class MLAPrefill:
         tick("keys")
         scratch = attention_scratch if attention_scratch is not None else self._attention_scratch(device)
         o_new, lse_new = varlen_attention(q, k_nope, v.to(dtype), cu_q, cu_q, max_q, max_q,
-                                          self.softmax_scale, causal=True, k_rope=k_rope, scratch=scratch)
+                                          self.softmax_scale, causal=True, k_rope=k_rope, scratch=scratch,
+                                          sinks=self._sinks_on(device))
         tick("attention")
 
         # 2. Context, chunk by chunk, merged into (0, -inf).

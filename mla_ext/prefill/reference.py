@@ -34,11 +34,13 @@ def mla_prefill_reference(
     P: int,
     V: int,
     softmax_scale: float,
+    sinks: Tensor | None = None,  # [N] attention-sink logits (hy_v4), or None
 ) -> Tensor:
     """Output [T, N, V] in float32.
 
     New token i of request r attends to every context token of r and to new
-    tokens j <= i of r (causal within the new tokens).
+    tokens j <= i of r (causal within the new tokens). With `sinks`, head n's
+    logit sinks[n] is one more softmax column without a value.
     """
     T, N, D = q.shape
     R = D - P
@@ -61,7 +63,11 @@ def mla_prefill_reference(
         # causal over the new tokens: query i sees keys j < ctx + i + 1
         allowed = torch.arange(S)[None, :] < (ctx + torch.arange(qn)[:, None] + 1)
         scores = scores.masked_fill(~allowed[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            col = sinks.to(torch.float64).view(N, 1, 1).expand(N, qn, 1)
+            probs = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :S]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[rows] = torch.einsum("nts,snv->tnv", probs, v)
         start += qn
     return out.to(torch.float32)

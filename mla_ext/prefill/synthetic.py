@@ -96,5 +96,5 @@ class SyntheticBatch:
             rows = flat[self.slots[r]].cpu()
             full = cache_ref.decode_cache_rows(rows, spec.kv_cache_dtype, k_scale)
             kv_c.append(full[:, : m.L])
-            k_pe.append(full[:, m.L:])
+            k_pe.append(full[:, m.L:m.L + m.R])  # fp8_ds_mla keeps 64 zero rope columns at R=0
         return kv_c, k_pe

@@ -56,7 +56,8 @@ def attn_call(a: dict, *, backend: str | None = None, check: bool = True) -> Cal
     if check:
         c = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
         want = ref.varlen_attention_ref(c["q"], c["k"], c["v"], c["cu_seqlens_q"], c["cu_seqlens_k"],
-                                        c["softmax_scale"], c["causal"], compute_dtype=torch.float64)
+                                        c["softmax_scale"], c["causal"], compute_dtype=torch.float64,
+                                        sinks=c.get("sinks"))
 
     def fn():
         with api.ATTENTION.force(backend):
@@ -131,6 +132,15 @@ for _label, _v in (("nan", math.nan), ("zero", 0.0), ("negative", -0.1), ("inf",
 for _label, _v in (("str_no", "no"), ("int_1", 1), ("none", None), ("tensor", torch.tensor(True))):
     _attn(f"causal_{_label}", "reject", ("causal",), lambda g, a, v=_v: a.update(causal=v))
 _attn("return_lse_str", "reject", ("return_lse",), lambda g, a: a.update(return_lse="no"))
+# Attention sinks (one logit per head joining every softmax; rows without keys: o = 0, lse = sink).
+_attn("sinks_valid", "accept", mutate=lambda g, a: a.update(sinks=torch.tensor([0.5, -1.0])))
+_attn("sinks_torch_backend", "accept", backend="torch",
+      mutate=lambda g, a: a.update(sinks=torch.tensor([2.0, 0.0])))
+_attn("sinks_bf16_q", "accept", setup=dict(dtype=BF16), mutate=lambda g, a: a.update(sinks=torch.tensor([1.0, 1.0])))
+for _label, _v in (("wrong_heads", torch.zeros(3)), ("2d", torch.zeros(1, 2)), ("list", [0.0, 1.0]),
+                   ("int", torch.zeros(2, dtype=torch.int32)), ("nan", torch.tensor([0.0, math.nan])),
+                   ("inf", torch.tensor([INF, 0.0])), ("meta", torch.zeros(2, device="meta"))):
+    _attn(f"sinks_{_label}", "reject", ("sinks",), lambda g, a, v=_v: a.update(sinks=v))
 _attn("k_on_meta", "reject", ("k",), lambda g, a: a.update(k=a["k"].to(META)))
 _attn("cu_on_meta", "reject", ("cu_seqlens_k",), lambda g, a: a.update(cu_seqlens_k=a["cu_seqlens_k"].to(META)))
 

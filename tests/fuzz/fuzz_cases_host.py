@@ -525,6 +525,23 @@ cfg_dict("num_layers_1e9", dict(V3_JSON, num_hidden_layers=10**9), args=("num_hi
 cfg_dict("raw_is_a_list", [1, 2], args=("raw", "config"))
 cfg_dict("raw_none", None, args=("raw", "config"))
 cfg_dict("text_config_not_dict", dict(text_config=[1]), args=("kv_lora_rank", "text_config"))
+cfg_dict("per_layer_config_list", dict(V3_JSON, per_layer_config=[1]), args=("per_layer_config",))
+cfg_dict("per_layer_config_str_dim", dict(V3_JSON, per_layer_config={"1": {"kv_lora_rank": "1024"}}),
+         args=("per_layer_config", "kv_lora_rank"))
+cfg_dict("per_layer_config_entry_int", dict(V3_JSON, per_layer_config={"1": 5}), args=("per_layer_config",))
+cfg_dict("no_rope_layers_str", dict(V3_JSON, no_rope_layers="1110"), args=("no_rope_layers",))
+cfg_dict("no_rope_layers_short", dict(V3_JSON, no_rope_layers=[1]), args=("no_rope_layers",))
+cfg_dict("kv_source_layers_short", dict(V3_JSON, kv_source_layers=[0]), args=("kv_source_layers",))
+cfg_dict("kv_source_layers_chain", dict(V3_JSON, kv_source_layers=[0, 0, 1, 3]), args=("kv_source_layers",))
+cfg_dict("rope_per_layer_type", dict(V3_JSON, layer_types=["sliding_attention", "full_attention"] * 2,
+                                     rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 40,
+                                                                         "mscale_all_dim": 1.0},
+                                                      "sliding_attention": {"rope_type": "default"}}),
+         "accept", check=that(lambda m: abs(m.softmax_scale - 0.13523) < 5e-6 and
+                              abs(m.for_layer(0).softmax_scale - 192 ** -0.5) < 1e-9, lambda m: m.describe()))
+cfg_dict("num_layers_spelling", {k: v for k, v in dict(V3_JSON, num_layers=4).items()
+                                 if k != "num_hidden_layers"}, "accept",
+         check=that(lambda m: m.num_layers == 4, lambda m: m.num_layers))
 
 GET = f"{MOD}:get_model_config"
 simple(GET, "builtin_v2_lite_scale", lambda: models.get_model_config("DeepSeek_V2_Lite"), "accept",
@@ -565,6 +582,21 @@ simple(MC, "sliding_window_out_of_range", lambda: mcfg(sliding_window_layers={99
 simple(MC, "tp_rank_past_size", lambda: mcfg(tp_size=2, tp_rank=2), args=("tp_rank",))
 simple(MC, "shard_not_dividing", lambda: mcfg().shard(3, 0), args=("tp_size",))
 simple(MC, "shard_twice", lambda: mcfg().shard(2, 0).shard(2, 0), args=("shard", "tp_size"))
+simple(MC, "layer_dims_not_a_dict", lambda: mcfg(layer_dims=5), args=("layer_dims",))
+simple(MC, "layer_dims_not_layerdims", lambda: mcfg(layer_dims={1: (512, 64, 128, 128, 16)}),
+       args=("layer_dims",))
+simple(MC, "layer_dims_zero_heads", lambda: mcfg(layer_dims={1: models.LayerDims(512, 64, 128, 128, 0)}),
+       args=("layer_dims", "num_heads"))
+simple(MC, "layer_dims_out_of_range", lambda: mcfg(layer_dims={9: models.LayerDims(512, 64, 128, 128, 8)}),
+       args=("layer_dims",))
+simple(MC, "non_mla_all_layers", lambda: mcfg(non_mla_layers={0, 1, 2, 3}), args=("non_mla_layers",))
+simple(MC, "non_mla_str", lambda: mcfg(non_mla_layers="0"), args=("non_mla_layers",))
+simple(MC, "non_mla_out_of_range", lambda: mcfg(non_mla_layers={7}), args=("non_mla_layers",))
+simple(MC, "kv_source_itself", lambda: mcfg(kv_source_layers={2: 2}), args=("kv_source_layers",))
+simple(MC, "kv_source_chain", lambda: mcfg(kv_source_layers={2: 1, 1: 0}), args=("kv_source_layers",))
+simple(MC, "layer_dims_shard", lambda: mcfg(layer_dims={1: models.LayerDims(512, 0, 192, 128, 8)}).shard(8, 0),
+       "accept", check=that(lambda m: m.for_layer(1).num_heads == 1 and m.for_layer(1).R == 0,
+                            lambda m: m.for_layer(1)))
 simple(MC, "shard_valid", lambda: mcfg().shard(8, 7), "accept",
        check=that(lambda m: (m.num_heads, m.total_heads) == (2, 16), lambda m: m))
 

@@ -36,6 +36,7 @@ EXEMPT = {
     "mla_ext.prefill.chunking:ContextChunk": RECORD + " (plan_context_chunks)",
     "mla_ext.prefill.chunking:ChunkPlan": RECORD + " (plan_context_chunks)",
     "mla_ext.planner:LayerPlan": RECORD + " (plan_pool, plan_model)",
+    "mla_ext.models:LayerDims": RECORD + " (MLAModelConfig(layer_dims=), config_from_dict)",
     "mla_ext.formats:QuantMode": "an IntEnum (its values are checked against the C++ registry by format_info)",
     "mla_ext.formats:ScaleKind": "an IntEnum (its values are checked against the C++ registry by format_info)",
     "mla_ext.formats:DsMla": "byte-layout constants (checked against the kernels by ds_mla_layout)",
