@@ -142,9 +142,15 @@ def _check_module(module) -> str:
     if module.num_heads != n:
         raise ValueError(f"{kind} layer {module.layer_idx}: the module has {module.num_heads} "
                          f"heads but its config {n}")
+    # A no-rope layer (mistral_large4's `no_rope_layers`) moves its rope width into
+    # the nope part: its module's R/P differ from the config's by design (the
+    # per-layer dims in mla_ext.models follow the same rule).
+    per_layer_rope = getattr(getattr(module, "config", None), "no_rope_layers", None) is not None
     for attr in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        if per_layer_rope and attr in ("qk_rope_head_dim", "qk_nope_head_dim"):
+            continue
         # mla_ext plans from the config, mla_inputs splits with the module's attributes.
-        have, want = getattr(module, attr, None), getattr(cfg, attr, None)
+        have, want = getattr(module, attr, None), _layer_attr(module, attr)
         if have is not None and want is not None and have != want:
             raise ValueError(f"{kind} layer {module.layer_idx}: module.{attr}={have} but its config says "
                              f"{attr}={want}; the module and its config must agree")
