@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mla_ext import _ext
 from mla_ext._args import as_device, check_int
 from mla_ext.cache import checks
 from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
@@ -576,7 +577,10 @@ class KvBProj:
         cap = _capability(device)
         head = (f"{self.weight_format.describe()} on {device}"
                 + (f" (sm_{cap[0]}{cap[1]})" if cap else "") + f", M={M}")
-        return head + "\n" + DISPATCH.explain(self._inputs(M, device, act_dtype or self.params_dtype))
+        text = head + "\n" + DISPATCH.explain(self._inputs(M, device, act_dtype or self.params_dtype))
+        if device.type == "cuda":  # which SASS binary or PTX the CUDA backends would run
+            text += "\n  " + _ext.cuda_target_note(device)
+        return text
 
 
 # -- machine-level report for the `info` CLI ----------------------------------

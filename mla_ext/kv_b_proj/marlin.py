@@ -294,7 +294,7 @@ def marlin_not_supported_reasons(a: torch.Tensor, packed: MarlinFp8Packed) -> li
         reasons.append(f"a is on {a.device}, the packed weight on {packed.qweight.device}")
         return reasons
     if a.device.type == "cuda":
-        ok, why = _ext.cuda_kernels_usable()
+        ok, why = _ext.cuda_kernels_usable(a.device)
         if not ok:
             reasons.append(why)
         elif torch.cuda.get_device_capability(a.device) < (8, 0):
