@@ -69,7 +69,7 @@ def interpreting() -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["max_blocks", "split_len", "bt_s0", "o_ss", "lse_ss", "lse_sh"])  # batch-varying: no re-compile
     def _latent_attn_kernel(
         ql_ptr, qp_ptr, c_ptr, c32_ptr, c16_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, st_ptr, ks_ptr,
         o_ptr, lse_ptr,
@@ -240,12 +240,16 @@ def _pad(d: int) -> int:
 # (sm_90: fits; sm_86's 99 KB: no) and spills 0.2-1 KB per thread for the fp8
 # decoders; 32 x 16 fits sm_86 (70 KB); fp32 16 x 16 (74 KB, no spills). To be
 # tuned on a GPU (benchmarks/bench_absorbed.py).
-GPU_CONFIGS = {  # (dtype is fp32, capability >= sm_90) -> config
+GPU_CONFIGS = {  # (dtype is fp32, the device has BIG_SMEM bytes per block) -> config
     (False, True): (32, 32, 8, 1),
     (False, False): (32, 16, 8, 1),
     (True, True): (16, 16, 8, 1),
     (True, False): (16, 16, 8, 1),
 }
+# The 16-bit 32 x 32 tile needs up to 106 KB of shared memory: it is chosen from the
+# device's measured opt-in limit per block (sm_80: 163 KB, sm_90: 227 KB; sm_86, sm_89
+# and sm_120: 99 KB), never from its capability (sm_120 is "newer" but has 99 KB).
+BIG_SMEM = 110 * 1024
 MAX_BLOCK_L = 512  # the widest latent tile the configs above were checked for
 # Split-KV: aim for this many programs per SM, and no split shorter than this.
 PROGRAMS_PER_SM, MIN_SPLIT_TOKENS = 2, 256
@@ -256,8 +260,8 @@ def launch_config(max_rows: int, dtype: torch.dtype, device: torch.device) -> tu
     if interpreting() or device.type != "cuda":
         return max(16, min(64, triton.next_power_of_2(max(max_rows, 1)))), 64, 4, 1
     # One config per dtype and device, whatever the rows (one compile per cache format).
-    sm90 = torch.cuda.get_device_capability(device) >= (9, 0)
-    return GPU_CONFIGS[(dtype == torch.float32, sm90)]
+    big = torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= BIG_SMEM
+    return GPU_CONFIGS[(dtype == torch.float32, big)]
 
 
 def num_splits(programs: int, max_ctx: int, device: torch.device, block_n: int) -> tuple[int, int]:

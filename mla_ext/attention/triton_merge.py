@@ -11,10 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_ext.compat import interpreting
 from mla_ext.triton_fp8 import launch_guard
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "ol_sh", "pl_sh", "sl_sh"])  # batch-varying: no re-compile
 def _merge_kernel(
     out_ptr, out_lse_ptr, p_ptr, p_lse_ptr, s_ptr, s_lse_ptr,
     num_rows, num_heads, head_size,
@@ -73,8 +74,11 @@ def merge_attn_states_triton(
         return
     block_d = triton.next_power_of_2(max(d, 1))
     # ~4K elements per program: large tiles keep the interpreter fast and
-    # give a GPU enough bytes in flight per program.
-    block_r = max(1, min(triton.next_power_of_2(rows), 4096 // block_d))
+    # give a GPU enough bytes in flight per program. On a GPU the tile does not
+    # shrink with the batch (each size would be another compiled variant).
+    block_r = max(1, 4096 // block_d)
+    if interpreting():
+        block_r = min(block_r, triton.next_power_of_2(rows))
     ol = out_lse if out_lse is not None else lse1  # never written when HAS_OUT_LSE is False
     grid = (triton.cdiv(rows, block_r),)
     with launch_guard(out):

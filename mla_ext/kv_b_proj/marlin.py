@@ -258,6 +258,9 @@ def plan_v2(m: int, n: int, k: int, group_size: int, sm_count: int, split_k: int
     if s <= 0:
         s = (sm_count + tiles // 2) // tiles if (sm_count > 0 and tiles > 0) else 1
         s = min(s, 16, k_t // 2)
+        # The reduction's bytes (8 per fp32 partial: written, re-read) stay within the weight's.
+        per_slice = 8 * min(m_t, 65535) * 16 * mb * n_ct * 32 * ws
+        s = min(s, n_tiles * TILE_N * k // per_slice)
     s = max(1, min(s, MAX_SPLIT_K))
     length = -(-k_t // s)
     length = max(1, -(-length // 2) * 2)
