@@ -76,9 +76,12 @@ def _drive(seed: int = 0) -> None:
         v = torch.randn(Tq, N, 128, dtype=bf)
         out, lse = torch.empty(Tq, N, 128, dtype=bf), torch.empty(N, Tq)
         triton_attention.varlen_attention_triton(q, k, v, cu, cu, max(lens), 0.1, True, out, lse)
-        o1, o2 = torch.randn(Tq, N, 128, dtype=bf), torch.randn(Tq, N, 128, dtype=bf)
-        l1, l2 = torch.randn(N, Tq), torch.randn(N, Tq)
-        triton_merge.merge_attn_states_triton(out, lse, o1, l1, o2, l2)
+        for dt, d in ((bf, 128), (bf, 512), (torch.float32, 512)):  # head dims of both paths
+            o1, o2 = torch.randn(Tq, N, d, dtype=dt), torch.randn(Tq, N, d, dtype=dt)
+            l1, l2 = torch.randn(N, Tq), torch.randn(N, Tq)
+            triton_merge.merge_attn_states_triton(torch.empty_like(o1), torch.empty(N, Tq), o1, l1, o2, l2)
+        q32, k32, v32 = q.float(), k.float(), v.float()
+        triton_attention.varlen_attention_triton(q32, k32, v32, cu, cu, max(lens), 0.1, False, out.float(), lse)
         cache, _ = make_cache("fp8_ds_mla", 32, 16, 512, 64, bf, gen=g)
         bt, cuk, starts = make_batch(rng, len(lens), 32, 16, 1 + Tq % 7, lens=[min(x, 16) for x in lens])
         q_lat = torch.randn(Tq, N, 512, dtype=bf).transpose(0, 1)
@@ -86,6 +89,13 @@ def _drive(seed: int = 0) -> None:
         triton_latent.latent_attention_triton(
             q_lat, torch.randn(Tq, N, 64, dtype=bf), cache, "fp8_ds_mla", bt, cu, cuk, starts, None, 0.1,
             o_lat, lse_lat, max(lens), 16)
+    # The other latent decoder the issue measured spilling (nvfp4_ds_mla), one batch.
+    cache, _ = make_cache("nvfp4_ds_mla", 32, 16, 512, 64, bf, gen=g)
+    bt, cuk, starts = make_batch(rng, 2, 32, 16, 3, lens=[5, 9])
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    triton_latent.latent_attention_triton(
+        torch.randn(7, N, 512, dtype=bf).transpose(0, 1), torch.randn(7, N, 64, dtype=bf), cache, "nvfp4_ds_mla",
+        bt, cu, cuk, starts, None, 0.1, torch.empty(7, N, 512, dtype=bf).transpose(0, 1), torch.empty(N, 7), 4, 16)
     # kv_b_proj kernels: M varies.
     K, Nw = 512, 256
     w4 = torch.randint(0, 255, (Nw, K // 2), dtype=torch.uint8)
@@ -113,7 +123,9 @@ def _analyse(compile_each: bool) -> list[dict]:
         # The kernel's own constexprs (tl.constexpr parameters) and the launch options
         # pick a config; everything else (an int == 1 becomes a constexpr too, an int
         # or pointer % 16 an attribute) is the specialization, which must not vary.
-        config = tuple((p.name, repr(bound[p.name])) for p in fn.params if p.is_constexpr)
+        # Argument types (bf16 vs fp32 tensors) are variants of their own too, as intended.
+        config = tuple((p.name, repr(bound[p.name])) for p in fn.params if p.is_constexpr) + tuple(
+            (p.name, s[0]) for p, s in zip(fn.params, spec) if not p.is_constexpr and s[0] != "constexpr")
         key = tuple((p.name, str(s)) for p, s in zip(fn.params, spec) if not p.is_constexpr)
         cfg = (fn.__name__, config, tuple(sorted((k, repr(v)) for k, v in options.items())))
         grp = groups.setdefault(cfg, {"keys": set(), "ints": {}, "first": (fn, bound, spec, options)})
@@ -139,22 +151,36 @@ def _analyse(compile_each: bool) -> list[dict]:
     return out
 
 
-def _gpu_paths() -> None:
+def _gpu_paths(cc: int = 90) -> None:
     """Makes the wrappers take their GPU branch on CPU tensors: the launch configs a
-    GPU gets (sm_90), with the device checks that would refuse CPU tensors off."""
+    device of capability `cc` (86 or 90, with its shared memory) gets, with the
+    device checks that would refuse CPU tensors off."""
     compat.triton_interpreter_reasons = lambda: []  # launch_guard: nothing is interpreted
     triton_gather.triton_not_supported_reasons = lambda *a, **k: []
     triton_gather._interpreting = lambda: False
+    triton_gather._hw_fp8 = lambda device: cc >= 89
     triton_latent.interpreting = lambda: False
+    big = cc >= 90  # sm_90: 227 KB of shared memory per block; sm_86: 99 KB
     triton_latent.launch_config = lambda rows, dtype, device: triton_latent.GPU_CONFIGS[
-        (dtype == torch.float32, True)]
+        (dtype == torch.float32, big)]
+
+
+def record_launches(cc: int = 90) -> list[tuple[JITFunction, tuple, dict]]:
+    """Every launch the wrappers make over the probe's batches on a device of capability
+    `cc`, recorded (nothing runs). tests/test_ptxas_budget.py compiles them."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    _gpu_paths(cc)
+    run, JITFunction.run = JITFunction.run, _record
+    try:
+        LAUNCHES.clear()
+        _drive()
+        return list(LAUNCHES)
+    finally:
+        JITFunction.run = run
 
 
 def main() -> None:
-    os.environ.pop("TRITON_INTERPRET", None)
-    _gpu_paths()
-    JITFunction.run = _record
-    _drive()
+    record_launches(90)
     for row in _analyse("--compile" in sys.argv):
         print(json.dumps(row))
 
