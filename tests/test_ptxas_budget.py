@@ -65,10 +65,6 @@ WORKERS = max(1, min(4, os.cpu_count() or 1))
 SPILL_EXEMPT = {
     "_attn_fwd_kernel": (920, "attention forward, 255 registers, 216-920 B spilled on sm_86 and sm_90a "
                               "(BLOCK_M 64 x BLOCK_N 64/32 with 192/256-wide heads, 8 warps; triton 3.8)"),
-    "_latent_attn_kernel": (504, "latent MQA over the paged cache, fp8_ds_mla / nvfp4_ds_mla decoders at "
-                                 "32x32 (sm_90) and 32x16 (sm_86), 8 warps, one stage: 255 registers, "
-                                 "424-504 B spilled (triton 3.8); the slice-wise restructure of issue 19 "
-                                 "item 4 is still to do"),
     "_fp8_block_gemm_kernel": (1340, "block-FP8 GEMM, M > 64 config (128x128x128, 8 warps) on sm_90a: "
                                      "255 registers, 1216 B stored / 1340 B loaded (triton 3.8)"),
 }

@@ -89,13 +89,14 @@ def _drive(seed: int = 0) -> None:
         triton_latent.latent_attention_triton(
             q_lat, torch.randn(Tq, N, 64, dtype=bf), cache, "fp8_ds_mla", bt, cu, cuk, starts, None, 0.1,
             o_lat, lse_lat, max(lens), 16)
-    # The other latent decoder the issue measured spilling (nvfp4_ds_mla), one batch.
-    cache, _ = make_cache("nvfp4_ds_mla", 32, 16, 512, 64, bf, gen=g)
-    bt, cuk, starts = make_batch(rng, 2, 32, 16, 3, lens=[5, 9])
-    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    triton_latent.latent_attention_triton(
-        torch.randn(7, N, 512, dtype=bf).transpose(0, 1), torch.randn(7, N, 64, dtype=bf), cache, "nvfp4_ds_mla",
-        bt, cu, cuk, starts, None, 0.1, torch.empty(7, N, 512, dtype=bf).transpose(0, 1), torch.empty(N, 7), 4, 16)
+    # The latent kernel's other decoders (and fp32), one batch each.
+    for fmt, dt in (("nvfp4_ds_mla", bf), ("fp8", bf), ("auto", bf), ("fp8_ds_mla", torch.float32)):
+        cache, ks = make_cache(fmt, 32, 16, 512, 64, bf, gen=g)
+        bt, cuk, starts = make_batch(rng, 2, 32, 16, 3, lens=[5, 9])
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+        triton_latent.latent_attention_triton(
+            torch.randn(7, N, 512, dtype=dt).transpose(0, 1), torch.randn(7, N, 64, dtype=dt), cache, fmt,
+            bt, cu, cuk, starts, ks, 0.1, torch.empty(7, N, 512, dtype=dt).transpose(0, 1), torch.empty(N, 7), 4, 16)
     # kv_b_proj kernels: M varies.
     K, Nw = 512, 256
     w4 = torch.randint(0, 255, (Nw, K // 2), dtype=torch.uint8)
