@@ -75,7 +75,7 @@ def _drive(seed: int = 0) -> None:
         q, k = torch.randn(Tq, N, 192, dtype=bf), torch.randn(Tq, N, 192, dtype=bf)
         v = torch.randn(Tq, N, 128, dtype=bf)
         out, lse = torch.empty(Tq, N, 128, dtype=bf), torch.empty(N, Tq)
-        triton_attention.varlen_attention_triton(q, k, v, cu, cu, max(lens), 0.1, True, out, lse)
+        triton_attention.varlen_attention_triton(q, k, v, cu, cu, max(lens), 0.1, len(lens) != 2, out, lse)
         for dt, d in ((bf, 128), (bf, 512), (torch.float32, 512)):  # head dims of both paths
             o1, o2 = torch.randn(Tq, N, d, dtype=dt), torch.randn(Tq, N, d, dtype=dt)
             l1, l2 = torch.randn(N, Tq), torch.randn(N, Tq)
@@ -89,6 +89,10 @@ def _drive(seed: int = 0) -> None:
         triton_latent.latent_attention_triton(
             q_lat, torch.randn(Tq, N, 64, dtype=bf), cache, "fp8_ds_mla", bt, cu, cuk, starts, None, 0.1,
             o_lat, lse_lat, max(lens), 16)
+    # Attention with 256-wide heads (QK and V), the other tile config, one batch.
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    q, v = torch.randn(7, N, 256, dtype=bf), torch.randn(7, N, 256, dtype=bf)
+    triton_attention.varlen_attention_triton(q, q, v, cu, cu, 4, 0.1, True, torch.empty_like(v), torch.empty(N, 7))
     # The latent kernel's other decoders (and fp32), one batch each.
     for fmt, dt in (("nvfp4_ds_mla", bf), ("fp8", bf), ("auto", bf), ("fp8_ds_mla", torch.float32)):
         cache, ks = make_cache(fmt, 32, 16, 512, 64, bf, gen=g)

@@ -34,6 +34,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E = 1.4426950408889634
 
 
+# register budget: 255
 @triton.jit(do_not_specialize=["lse_sh"])  # batch-varying: no re-compile
 def _attn_fwd_kernel(
     q_ptr, k1_ptr, k2_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,

@@ -69,6 +69,7 @@ def interpreting() -> bool:
 
 if triton is not None:
 
+    # register budget: 255
     @triton.jit(do_not_specialize=["max_blocks", "split_len", "bt_s0", "o_ss", "lse_ss", "lse_sh"])  # batch-varying: no re-compile
     def _latent_attn_kernel(
         ql_ptr, qp_ptr, c_ptr, c32_ptr, c16_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, st_ptr, ks_ptr,

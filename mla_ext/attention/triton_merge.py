@@ -15,6 +15,7 @@ from mla_ext.compat import interpreting
 from mla_ext.triton_fp8 import launch_guard
 
 
+# register budget: 128
 @triton.jit(do_not_specialize=["num_rows", "ol_sh", "pl_sh", "sl_sh"])  # batch-varying: no re-compile
 def _merge_kernel(
     out_ptr, out_lse_ptr, p_ptr, p_lse_ptr, s_ptr, s_lse_ptr,

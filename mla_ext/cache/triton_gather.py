@@ -123,6 +123,7 @@ if triton is not None:
         slot = tl.where(ok, tok % block_size, 0).to(tl.int64)
         return rows, live, ok, blk, slot
 
+    # register budget: 192
     @triton.jit(do_not_specialize=["num_reqs", "max_blocks", "dst_rows", "search_steps", "bt_s0"])  # batch-varying: no re-compile
     def _gather_kernel(
         src_ptr, src_f32_ptr, src_bf16_ptr, dst_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr,

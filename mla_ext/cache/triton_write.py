@@ -109,8 +109,12 @@ def _e2m1_code(x, s):
 
 # Integer arguments that change with the batch or the cache view are not specialized
 # (Triton would compile a new variant for == 1 / % 16 values mid-serving).
-@triton.jit(do_not_specialize=["num_slots", "block_size", "kv_stride", "pe_stride",
-                               "cache_block_stride", "cache_entry_stride"])
+_WRITE_VARYING = ["num_slots", "block_size", "kv_stride", "pe_stride", "cache_block_stride",
+                  "cache_entry_stride"]
+
+
+# register budget: 64
+@triton.jit(do_not_specialize=_WRITE_VARYING)
 def _write_kernel(kv_c, k_pe, cache, slots, k_scale, num_slots, block_size,
                   kv_stride, pe_stride, cache_block_stride, cache_entry_stride,
                   L: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
@@ -178,6 +182,7 @@ def _write_kernel(kv_c, k_pe, cache, slots, k_scale, num_slots, block_size,
             tl.store(dst + 256 + r, _encode_e4m3(_widen(tl.load(pe + r), IN_KIND)).to(tl.uint8))
 
 
+# register budget: 128
 @triton.jit(do_not_specialize=["num_tokens", "kv_stride", "pe_stride"])
 def _amax_kernel(kv_c, k_pe, partial, num_tokens, kv_stride, pe_stride,
                  L: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
@@ -197,6 +202,7 @@ def _amax_kernel(kv_c, k_pe, partial, num_tokens, kv_stride, pe_stride,
     tl.store(partial + p, tl.max(tl.max(a, axis=1), axis=0))
 
 
+# register budget: 32
 @triton.jit(do_not_specialize=["num_partials"])
 def _scale_kernel(partial, out, num_partials, fp8_max, BLOCK: tl.constexpr):
     """out = max(max(partial) / fp8_max, 1e-12), IEEE division."""

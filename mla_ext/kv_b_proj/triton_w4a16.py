@@ -85,6 +85,7 @@ def _w4a16_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+# register budget: 255
 @triton.jit(do_not_specialize=["M"])  # batch-varying: no re-compile
 def _w4a16_v1_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
                      stride_am, stride_bn, stride_sn, stride_cm,
