@@ -2,7 +2,9 @@
 
 C++ CPU kernels are always built. CUDA kernels are added when torch is a CUDA
 build and a CUDA toolkit (nvcc + headers) is found, for TORCH_CUDA_ARCH_LIST
-(default "8.6;9.0a"). MLA_EXT_CUDA=0 forces a CPU-only build (fast iteration),
+(default "8.0;8.6;8.9;9.0a": SASS for A100, A10/RTX 30xx, L4/L40S/RTX 40xx, H100/H200)
+plus PTX for MLA_EXT_CUDA_PTX (default "9.0", empty for none) so that newer GPUs
+(Blackwell sm_100/sm_120) JIT-compile the kernels from it. MLA_EXT_CUDA=0 forces a CPU-only build (fast iteration),
 MLA_EXT_CUDA=1 makes a missing toolkit an error instead of a fallback.
 """
 import glob
@@ -14,7 +16,8 @@ import sys
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCHS = "8.6;9.0a"
+DEFAULT_ARCHS = "8.0;8.6;8.9;9.0a"
+DEFAULT_PTX = "9.0"
 
 
 def _toolkit_root():
@@ -66,6 +69,26 @@ def _want_cuda(torch):
     return True, root
 
 
+def _gencode_flags(archs: str, ptx: str) -> list[str]:
+    """nvcc -gencode flags: one SASS binary per arch-list entry ("X.Y", "X.Ya",
+    "X.Y+PTX"), plus plain PTX for `ptx`. Built here rather than by torch because
+    torch would add none of its own once any arch flag is given, and it has no
+    way to say "SASS for 9.0a but PTX for compute_90" (compute_90a PTX runs on
+    sm_90 only, which is no help to a newer GPU)."""
+    flags = []
+    for entry in (a.strip() for a in archs.replace(",", ";").split(";")):
+        if not entry:
+            continue
+        num = entry.replace("+PTX", "").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if entry.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    if ptx:
+        num = ptx.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
 def _extensions():
     import torch
 
@@ -91,12 +114,17 @@ def _extensions():
         ]
 
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
-    os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # torch reads it for -gencode flags
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    ptx = os.environ.get("MLA_EXT_CUDA_PTX", DEFAULT_PTX)
     cuda_sources = sorted(glob.glob("csrc/**/*.cu", recursive=True))
     # Kernels and bindings need no cuBLAS/nvrtc headers (bindings use c10/cuda
     # only), so the pip wheels' include dir, which shadows the toolkit's
     # cuda_runtime.h, is deliberately not added.
-    defines = ["-DMLA_EXT_WITH_CUDA", f'-DMLA_EXT_CUDA_ARCH_LIST="{archs}"']
+    defines = [
+        "-DMLA_EXT_WITH_CUDA",
+        f'-DMLA_EXT_CUDA_ARCH_LIST="{archs}"',
+        f'-DMLA_EXT_CUDA_PTX="{ptx}"',
+    ]
     nvcc = [
         "-O3",
         "-std=c++20",
@@ -108,7 +136,7 @@ def _extensions():
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
         "-U__CUDA_NO_HALF2_OPERATORS__",
-    ] + defines
+    ] + defines + _gencode_flags(archs, ptx)
     return [
         cpp_extension.CUDAExtension(
             "mla_ext._C",

@@ -24,6 +24,9 @@
 #   memcheck    compute-sanitizer memcheck of the C++/CUDA ops' tests (not Triton),
 #               one process per file, in parallel, caching allocator off,
 #               HYPOTHESIS_PROFILE=memcheck (a few examples per property test)
+#   racecheck   compute-sanitizer racecheck of one split-K Marlin v2 GEMM and one
+#               paged-gather call (benchmarks/racecheck_calls.py): the shared-memory
+#               hazards memcheck does not look for
 #   demo        python -m mla_ext demo --full, checked against the oracle
 #   bench_kv_b_proj  --sweep: the dispatch thresholds' crossovers, M >= 8K vs bf16, and
 #               the measured dispatch table bench/dispatch_table_<device>.json (in the
@@ -68,11 +71,14 @@ FAULTHANDLER_S=45              # pytest dumps every thread's stack after this lo
 # a capped one still returns what it measured. bench_absorbed's 20 s (+ its 8 s of
 # kill grace and packing) came out of build 4, memcheck 4, demo 4, kv_b_proj 8,
 # gather 3 and attention 3. bench_sparse's 15 s (+ 8) came out of facts 4, cuda 5,
-# memcheck 4, demo 4 and kv_b_proj 6.
-CAP_FACTS=11; CAP_BUILD=136; CAP_INFO=15
-CAP_CUDA=90; CAP_CUDA_FILE=85
+# memcheck 4, demo 4 and kv_b_proj 6. racecheck's 18 s (+ 8 s of kill grace and
+# packing) came out of build 16 (one arch, no PTX on the lent machine), cuda 6 and
+# kv_b_proj 4.
+CAP_FACTS=11; CAP_BUILD=120; CAP_INFO=15
+CAP_CUDA=84; CAP_CUDA_FILE=84
 CAP_MEMCHECK=42; CAP_MEMCHECK_FILE=42
-CAP_DEMO=27; CAP_KVB=36; CAP_PREFILL=20; CAP_ABSORBED=20; CAP_GATHER=12; CAP_ATTENTION=12; CAP_SPARSE=15
+CAP_RACECHECK=18
+CAP_DEMO=27; CAP_KVB=32; CAP_PREFILL=20; CAP_ABSORBED=20; CAP_GATHER=12; CAP_ATTENTION=12; CAP_SPARSE=15
 # Test files of the C++/CUDA ops, for memcheck (their Triton cases are deselected).
 MEMCHECK_FILES="test_cache_ops.py test_cache_fp8.py test_attention_merge.py test_kv_b_proj_marlin.py"
 # CUDA test files run first in this order; any other file with a cuda mark follows.
@@ -386,7 +392,11 @@ memcheck_file() {  # memcheck_file test_x.py
     "$py" -m pytest -q -p no:cacheprovider -o faulthandler_timeout=$FAULTHANDLER_S -rfE -m cuda \
     -k "not triton" "tests/$1"
 }
-export -f cuda_file memcheck_file
+# One split-K Marlin call and one paged-gather call under racecheck; rc 99 on a hazard.
+racecheck_calls() {
+  "$san" --tool racecheck --error-exitcode 99 --print-limit 20 "$py" benchmarks/racecheck_calls.py
+}
+export -f cuda_file memcheck_file racecheck_calls
 export FAULTHANDLER_S
 JOBS="${GPU_CHECK_JOBS:-$(n=$(( $(nproc 2>/dev/null || echo 4) / 4 )); [ $n -lt 1 ] && n=1; [ $n -gt 4 ] && n=4; echo $n)}"
 
@@ -424,6 +434,7 @@ print("MLA_PROBE", f"{M}.{m}" + ("a" if M >= 9 else ""), torch.cuda.get_device_n
     echo "no GPU visible: CPU-side dry run (build for $arch, info, demo, benchmarks at CPU sizes)"
   fi
   export TORCH_CUDA_ARCH_LIST="$arch"
+  export MLA_EXT_CUDA_PTX="${MLA_EXT_CUDA_PTX-}"  # its own arch only: no PTX to JIT elsewhere, a shorter build
   if [ $mode = gpu ]; then export MLA_EXT_CUDA=1; else export MLA_EXT_CUDA="${MLA_EXT_CUDA:-auto}"; fi
 fi
 
@@ -447,6 +458,11 @@ if [ "$mode" = gpu ]; then
   else
     pool memcheck $CAP_MEMCHECK $CAP_MEMCHECK_FILE 20 memcheck_file $MEMCHECK_FILES
   fi
+  if [ $plan -eq 0 ] && { [ -z "$san" ] || [ $built -ne 0 ]; }; then
+    record racecheck "SKIPPED" 0 0 "no compute-sanitizer, or the build failed"
+  else
+    step racecheck racecheck $CAP_RACECHECK 12 bash -c racecheck_calls
+  fi
   step demo demo $CAP_DEMO 20 "$py" -m mla_ext demo --full --progress off
   step bench_kv_b_proj bench_kv_b_proj $CAP_KVB 20 "$py" benchmarks/bench_kv_b_proj.py --sweep --out "${work:-W}/bench"
   step bench_prefill bench_prefill $CAP_PREFILL 20 "$py" benchmarks/bench_prefill.py --quick --out "${work:-W}/bench"
@@ -457,6 +473,7 @@ if [ "$mode" = gpu ]; then
 else
   record cuda "SKIPPED" 0 0 "no GPU"
   record memcheck "SKIPPED" 0 0 "no GPU"
+  record racecheck "SKIPPED" 0 0 "no GPU"
   step demo demo $CAP_DEMO 20 "$py" -m mla_ext demo --progress off
   step bench_kv_b_proj bench_kv_b_proj $CAP_KVB 20 "$py" benchmarks/bench_kv_b_proj.py --sweep --out "${work:-W}/bench"
   step bench_prefill bench_prefill $CAP_PREFILL 20 "$py" benchmarks/bench_prefill.py --quick --out "${work:-W}/bench"
@@ -467,7 +484,7 @@ else
 fi
 
 if [ $plan -eq 1 ]; then
-  echo "PLAN end=$(elapsed) sum_of_caps=$((CAP_FACTS + CAP_BUILD + CAP_INFO + CAP_CUDA + CAP_MEMCHECK + CAP_DEMO + CAP_KVB + CAP_PREFILL + CAP_ABSORBED + CAP_GATHER + CAP_ATTENTION + CAP_SPARSE))"
+  echo "PLAN end=$(elapsed) sum_of_caps=$((CAP_FACTS + CAP_BUILD + CAP_INFO + CAP_CUDA + CAP_MEMCHECK + CAP_RACECHECK + CAP_DEMO + CAP_KVB + CAP_PREFILL + CAP_ABSORBED + CAP_GATHER + CAP_ATTENTION + CAP_SPARSE))"
   exit 0
 fi
 record total "" "$(elapsed)" "$DEADLINE" "$failures step(s) failed"

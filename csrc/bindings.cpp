@@ -27,6 +27,9 @@
 #ifndef MLA_EXT_CUDA_ARCH_LIST
 #define MLA_EXT_CUDA_ARCH_LIST ""
 #endif
+#ifndef MLA_EXT_CUDA_PTX
+#define MLA_EXT_CUDA_PTX ""
+#endif
 
 // An importable (empty) Python module: loading it runs the registrations below.
 extern "C" PyObject* PyInit__C(void) {
@@ -163,7 +166,7 @@ std::vector<int64_t> ds_mla_layout() {
 
 std::string build_info() {
 #ifdef MLA_EXT_WITH_CUDA
-  return std::string("cuda=1|archs=") + MLA_EXT_CUDA_ARCH_LIST;
+  return std::string("cuda=1|archs=") + MLA_EXT_CUDA_ARCH_LIST + "|ptx=" + MLA_EXT_CUDA_PTX;
 #else
   return "cuda=0|archs=";
 #endif

@@ -43,33 +43,69 @@ def ops():
 
 @functools.lru_cache(maxsize=None)
 def build_info() -> dict:
-    """Facts about the compiled library: whether CUDA kernels are in it and for which archs."""
+    """Facts about the compiled library: whether CUDA kernels are in it, the arch list it
+    was built for (informative only) and the binaries and PTX actually in it (`targets`,
+    read from its fatbin: what decides where the kernels run)."""
     if _LOAD_ERROR is not None:
-        return {"loaded": False, "cuda": False, "archs": [], "error": _LOAD_ERROR}
+        return {"loaded": False, "cuda": False, "archs": [], "ptx_arch": "", "targets": [],
+                "cubins": [], "ptx": [], "error": _LOAD_ERROR}
     raw = torch.ops.mla_ext.build_info()
     fields = dict(kv.split("=", 1) for kv in raw.split("|"))
     archs = [a for a in fields.get("archs", "").replace(",", ";").split(";") if a]
+    targets = _targets(_C.__file__) if fields.get("cuda") == "1" else []
     return {
         "loaded": True,
         "cuda": fields.get("cuda") == "1",
         "archs": archs,
+        "ptx_arch": fields.get("ptx", ""),
         "so_path": _C.__file__,
-        "cubins": _cubins(_C.__file__) if fields.get("cuda") == "1" else [],
+        "targets": targets,
+        "cubins": [str(t) for t in targets if not t.ptx],
+        "ptx": [str(t) for t in targets if t.ptx],
     }
 
 
-def _cubins(so_path: str) -> list[str]:
-    """The sm_XX targets actually present in the shared object (read from its fatbin)."""
+def _targets(so_path: str) -> list:
+    """The SASS binaries and PTX actually present in the shared object (its fatbin)."""
     from mla_ext import _fatbin
 
     try:
-        return [t for t in _fatbin.targets(so_path) if t.startswith("sm_")]
+        return _fatbin.entries(so_path)
     except (OSError, ValueError, struct.error, IndexError):
         return []
 
 
-def cuda_kernels_usable() -> tuple[bool, str]:
-    """Whether the CUDA kernels can run here, and if not, why."""
+def _device_capability(device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def cuda_target(device=None):
+    """The fatbin entry (`_fatbin.Target`) the CUDA kernels run from on `device` (None:
+    the current one), or None: no device, no CUDA build, or nothing in the library
+    that this device can run."""
+    info = build_info()
+    if not info["loaded"] or not info["cuda"] or not torch.cuda.is_available():
+        return None
+    from mla_ext import _fatbin
+
+    return _fatbin.runs_on(info["targets"], _device_capability(device))
+
+
+def cuda_target_note(device=None) -> str:
+    """One line for `info` / `explain()`: which binary or PTX `device` runs, or why none."""
+    ok, why = cuda_kernels_usable(device)
+    if not ok:
+        return f"CUDA kernels: not usable: {why}"
+    t = cuda_target(device)
+    cap = "sm_%d%d" % _device_capability(device)
+    how = "JIT-compiled from PTX" if t.ptx else "SASS binary"
+    return f"CUDA kernels: {cap} runs {t} ({how})"
+
+
+def cuda_kernels_usable(device=None) -> tuple[bool, str]:
+    """Whether the CUDA kernels can run on `device` (None: the current one), and if not, why.
+    Decided from the binaries in the library and the device's capability (integers),
+    never from an arch string."""
     info = build_info()
     if not info["loaded"]:
         return False, info["error"]
@@ -77,8 +113,9 @@ def cuda_kernels_usable() -> tuple[bool, str]:
         return False, "the library was built without CUDA kernels"
     if not torch.cuda.is_available():
         return False, "no CUDA device is visible (torch.cuda.is_available() is False)"
-    major, minor = torch.cuda.get_device_capability()
-    have = {a.replace(".", "").rstrip("a") for a in info["archs"]}
-    if f"{major}{minor}" not in have:
-        return False, f"device is sm_{major}{minor} but kernels were built for {info['archs']}"
+    if cuda_target(device) is None:
+        major, minor = _device_capability(device)
+        have = ", ".join(str(t) for t in info["targets"]) or "none"
+        return False, (f"device is sm_{major}{minor} but the library holds no binary or PTX it can "
+                       f"run (it holds: {have})")
     return True, ""

@@ -14,10 +14,27 @@ Only headers are read; payloads (possibly compressed) are skipped.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 FATBIN_MAGIC = 0xBA55ED50
 KIND_PTX, KIND_CUBIN = 1, 2
 FLAG_ARCH_SPECIFIC = 0x100000
+
+
+class Target(NamedTuple):
+    """One entry of a fatbin: a SASS binary (`ptx` False) or PTX, for sm version `sm`
+    (86 for 8.6, 100 for 10.0) as the header stores it, as integers."""
+
+    sm: int
+    ptx: bool
+    arch_specific: bool  # an 'a' target (sm_90a): runs on exactly that arch
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        return divmod(self.sm, 10)
+
+    def __str__(self) -> str:
+        return f"{'compute' if self.ptx else 'sm'}_{self.sm}{'a' if self.arch_specific else ''}"
 
 
 def _section(data: bytes, wanted: str) -> tuple[int, int] | None:
@@ -36,13 +53,18 @@ def _section(data: bytes, wanted: str) -> tuple[int, int] | None:
 
 def targets(path: str) -> list[str]:
     """Sorted unique targets: 'sm_86', 'sm_90a' for cubins, 'compute_XX' for PTX."""
+    return sorted(str(t) for t in entries(path))
+
+
+def entries(path: str) -> list[Target]:
+    """The unique targets of the file's fatbin, as read from the entry headers."""
     with open(path, "rb") as f:
         data = f.read()
     sec = _section(data, ".nv_fatbin")
     if sec is None:
         return []
     start, size = sec
-    found: set[str] = set()
+    found: set[Target] = set()
     p, end = start, start + size
     while p + 16 <= end:
         magic, _ver, hsize, fsize = struct.unpack_from("<IHHQ", data, p)
@@ -54,13 +76,32 @@ def targets(path: str) -> list[str]:
             kind, _v, ehsize, padded = struct.unpack_from("<HHII", data, q)
             sm = struct.unpack_from("<I", data, q + 28)[0]
             flags = struct.unpack_from("<Q", data, q + 40)[0]
-            suffix = "a" if flags & FLAG_ARCH_SPECIFIC else ""
-            if kind == KIND_CUBIN:
-                found.add(f"sm_{sm}{suffix}")
-            elif kind == KIND_PTX:
-                found.add(f"compute_{sm}{suffix}")
+            if kind in (KIND_CUBIN, KIND_PTX):
+                found.add(Target(sm, kind == KIND_PTX, bool(flags & FLAG_ARCH_SPECIFIC)))
             if ehsize == 0:
                 break
             q += ehsize + padded
         p += hsize + fsize
     return sorted(found)
+
+
+def runs_on(available: list[Target], capability: tuple[int, int]) -> Target | None:
+    """The entry the CUDA driver would run on a device of `capability` (major, minor),
+    or None. A SASS binary serves its own major version at a minor >= its own (sm_86
+    code runs on sm_89, not on sm_90 nor sm_80); an arch-specific one (sm_90a) only
+    its exact arch; PTX is JIT-compiled on its arch and anything newer (compute_90a
+    PTX only on sm_90). SASS wins over PTX (no JIT), the exact 'a' binary over a
+    generic one, and the newest that fits over older ones."""
+    major, minor = capability
+
+    def fits(t: Target) -> bool:
+        if t.arch_specific:
+            return t.capability == (major, minor)
+        if t.ptx:
+            return t.capability <= (major, minor)
+        return t.capability[0] == major and t.capability[1] <= minor
+
+    usable = [t for t in available if fits(t)]
+    if not usable:
+        return None
+    return max(usable, key=lambda t: (not t.ptx, t.arch_specific, t.sm))

@@ -141,7 +141,10 @@ def info_dict() -> dict:
         "so_path": build.get("so_path"),
         "built_with_cuda": build["cuda"],
         "archs": build["archs"],
+        "ptx_arch": build.get("ptx_arch", ""),
         "cubins": build.get("cubins", []),
+        "ptx": build.get("ptx", []),
+        "device_runs": str(_ext.cuda_target()) if usable else None,
         "cuda_kernels_usable": usable,
         "cuda_kernels_why_not": why or None,
         "backends": [
@@ -163,8 +166,11 @@ def format_info(d: dict) -> str:
         f"built with CUDA  {yes(d['built_with_cuda'])}",
         f"archs            {', '.join(d['archs']) or '-'}",
         f"cubins in .so    {', '.join(d['cubins']) or '-'}",
+        f"PTX in .so       {', '.join(d['ptx']) or '-'}",
         f"CUDA kernels     "
-        + ("usable" if d["cuda_kernels_usable"] else f"not usable: {d['cuda_kernels_why_not']}"),
+        + (f"usable: this device runs {d['device_runs']}"
+           + (" (JIT-compiled from PTX)" if d["device_runs"].startswith("compute_") else "")
+           if d["cuda_kernels_usable"] else f"not usable: {d['cuda_kernels_why_not']}"),
         "",
         "backends",
     ]

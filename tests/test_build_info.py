@@ -15,11 +15,17 @@ def test_cubins_match_the_arch_list():
     info = _ext.build_info()
     if not info["cuda"]:
         pytest.skip("built without CUDA kernels")
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or "8.6;9.0a"
-    want = {"sm_" + a.replace(".", "") for a in archs.replace(",", ";").split(";") if a}
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or "8.0;8.6;8.9;9.0a"
+    ptx = os.environ.get("MLA_EXT_CUDA_PTX", "9.0")
+    want = {"sm_" + a.replace(".", "").replace("+PTX", "") for a in archs.replace(",", ";").split(";") if a}
     # The compiled-in list and the cubins actually in the .so agree.
-    assert {"sm_" + a.replace(".", "") for a in info["archs"]} == want
+    assert {"sm_" + a.replace(".", "").replace("+PTX", "") for a in info["archs"]} == want
     assert set(info["cubins"]) == want, info["cubins"]
+    want_ptx = {"compute_" + a.replace(".", "").replace("+PTX", "")
+                for a in archs.replace(",", ";").split(";") if a.endswith("+PTX")}
+    if ptx:
+        want_ptx.add("compute_" + ptx.replace(".", ""))
+    assert info["ptx_arch"] == ptx and set(info["ptx"]) == want_ptx, info["ptx"]
 
 
 def test_fatbin_reader_on_a_non_cuda_file(tmp_path):

@@ -537,8 +537,8 @@ def test_kernel_argument_values():
 def test_dispatchers_list_new_before_old_and_keep_old_names():
     assert [b.name for b in api.GATHER.backends] == ["cuda_paged", "cuda_rowwise", "cpu", "triton_paged",
                                                       "triton_rowwise"]
-    assert [b.name for b in api.WRITE.backends] == ["cuda_vector", "cuda_scalar", "cpu"]
-    assert [b.name for b in api.KV_SCALE.backends] == ["cuda_vector", "cuda_scalar", "cpu"]
+    assert [b.name for b in api.WRITE.backends] == ["cuda_vector", "cuda_scalar", "cpu", "triton"]
+    assert [b.name for b in api.KV_SCALE.backends] == ["cuda_vector", "cuda_scalar", "cpu", "triton"]
     assert api.GATHER.get("cuda").name == "cuda_paged" and api.GATHER.get("triton").name == "triton_paged"
     assert api.WRITE.get("cuda").name == "cuda_vector" and api.KV_SCALE.get("cuda").name == "cuda_vector"
     inp = api._probe_inputs(torch.device("cpu"))["gather"][1]

@@ -51,7 +51,8 @@ def test_cmake_build_loads_and_agrees(tmp_path):
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "[5, 656, 2, 2, 1, 656]"
     if "[mla_ext cmake] cuda=ON" in proc.stdout:
-        archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or "8.6;9.0a"
-        assert lines[1] == "cuda=1|archs=" + archs.replace(";", ","), lines[1]
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or "8.0;8.6;8.9;9.0a"
+        ptx = os.environ.get("MLA_EXT_CUDA_PTX", "9.0")
+        assert lines[1] == "cuda=1|archs=" + archs.replace(";", ",") + "|ptx=" + ptx, lines[1]
     else:
         assert lines[1].startswith("cuda=0"), lines[1]

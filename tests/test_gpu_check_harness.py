@@ -105,7 +105,7 @@ def test_plan_runs_every_step_and_publishes_the_results(mode):
         memcheck = [s for s in steps if s.startswith("memcheck.")]
         assert memcheck == ["memcheck.test_cache_ops", "memcheck.test_cache_fp8", "memcheck.test_attention_merge",
                             "memcheck.test_kv_b_proj_marlin"]
-        want += cuda + memcheck
+        want += cuda + memcheck + ["racecheck"]
     want += ["demo", "bench_kv_b_proj", "bench_prefill", "bench_absorbed", "bench_gather", "bench_attention",
              "bench_sparse"]
     assert steps == want

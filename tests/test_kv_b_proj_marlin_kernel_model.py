@@ -549,6 +549,13 @@ def test_v2_plan_mirror_equals_the_header(tmp_path):
             p = plan_v2(16, 4096, 16 * kt, -1, 132, s)
             q = plan_v2(16, 4096, 16 * kt, -1, 0, p.split)
             assert (q.split, q.slice_tiles) == (p.split, p.slice_tiles), (kt, s)
-    # DeepSeek-V3 TP8 (N = 4096, K = 512) at M <= 16 on an H200 (132 SMs): 8 slices, 128 CTAs.
+    # DeepSeek-V3 TP8 (N = 4096, K = 512) at M <= 16 on an H200 (132 SMs): 4 slices, 64 CTAs
+    # (8 would move 4 MB of partials through L2 for 2 MB of weights).
     p = plan_v2(16, 4096, 512, 128, 132)
-    assert (p.n_ctiles * p.m_tiles * p.split, p.split) == (128, 8)
+    assert (p.n_ctiles * p.m_tiles * p.split, p.split) == (64, 4)
+    # No automatic split moves more bytes in its reduction than the weight holds.
+    for case in cases:
+        p = plan_v2(*case)
+        if case[-1] == 0 and p.split > 1:
+            m, n, k = case[:3]
+            assert 2 * p.workspace_floats * 4 <= -(-n // 64) * 64 * k, case

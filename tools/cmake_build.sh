@@ -58,9 +58,10 @@ if [ -n "${CUDA_HOME:-}" ] && [ -n "$torch_cuda" ] && [ "${MLA_EXT_CUDA:-auto}" 
     args+=(-DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20
            -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
   fi
-  archs="${TORCH_CUDA_ARCH_LIST:-8.6;9.0a}"
-  args+=("-DMLA_EXT_CUDA_ARCH_LIST=$archs")
-  echo "[mla_ext cmake] cuda=ON archs=$archs toolkit=$CUDA_HOME"
+  archs="${TORCH_CUDA_ARCH_LIST:-8.0;8.6;8.9;9.0a}"
+  ptx="${MLA_EXT_CUDA_PTX-9.0}"   # unset: 9.0; set but empty: no PTX
+  args+=("-DMLA_EXT_CUDA_ARCH_LIST=$archs" "-DMLA_EXT_CUDA_PTX=$ptx")
+  echo "[mla_ext cmake] cuda=ON archs=$archs ptx=$ptx toolkit=$CUDA_HOME"
 else
   args+=(-DMLA_EXT_WITH_CUDA=OFF)
   echo "[mla_ext cmake] cuda=OFF"

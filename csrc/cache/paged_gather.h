@@ -13,13 +13,16 @@
 //
 //  1. Mapping, once per CTA, resolved once per page: the threads first check
 //     together that cu_seq_lens is non-decreasing (cu_monotone_part, a
-//     __syncthreads_and; num_reqs <= kMaxWalkReqs). If so, thread 0 walks the
-//     window (walk_window): one binary search over cu_seq_lens for the first
-//     row's request, then row by row it moves to the next request when a row
-//     reaches cu[r + 1] (loading seq_starts[r] and dividing once per request)
-//     and advances the slot by one, loading a block-table entry only when a
-//     row enters a new request or page, and writes each row's cache byte
-//     offset into shared memory. Otherwise (a decreasing cu_seq_lens, whose
+//     __syncthreads_and; num_reqs <= kMaxWalkReqs). If so, the first warp
+//     walks the window, each lane a contiguous segment of ceil(rows / 32)
+//     rows (walk_segment): one binary search over cu_seq_lens for the
+//     segment's first row, then row by row it moves to the next request when a
+//     row reaches cu[r + 1] (loading seq_starts[r] and dividing once per
+//     request) and advances the slot by one, loading a block-table entry only
+//     when a row enters a new request or page, and writes each row's cache
+//     byte offset into shared memory. (One thread walking the whole window
+//     chained up to a few hundred rows of dependent loads while the other 255
+//     waited; 32 lanes cut that latency to one search plus <= 8 rows.) Otherwise (a decreasing cu_seq_lens, whose
 //     binary search a walk would not reproduce, or very many requests) thread
 //     i < rows resolves row t0 + i by itself (source_offset: a search, a
 //     32-bit division, one block-table load). Either way the result is the
@@ -139,19 +142,21 @@ MLA_HOST_DEVICE inline bool cu_monotone_part(const GatherParams& p, int tid) {
   return ok;
 }
 
-// The mapping of the whole window by one thread, for a non-decreasing
-// cu_seq_lens: one binary search for the first row's request, then a walk
-// over the rows that advances the request when a row reaches cu[r + 1] and
-// the slot by one per row, with a block-table load (and a division) only when
-// a row enters a new request or a new page. src_off[i] = source_offset(p,
-// rows.t0 + i) for every row of the window.
-MLA_HOST_DEVICE inline void walk_window(const GatherParams& p, Rows rows, int64_t* src_off) {
+// The mapping of window rows [i0, i1) by one thread, for a non-decreasing
+// cu_seq_lens: one binary search for row i0's request, then a walk over the
+// rows that advances the request when a row reaches cu[r + 1] and the slot by
+// one per row, with a block-table load (and a division) only when a row
+// enters a new request or a new page. src_off[i] = source_offset(p, rows.t0 +
+// i) for every i in [i0, i1): a segment's walk starts from scratch, so
+// segments can be walked in parallel.
+MLA_HOST_DEVICE inline void walk_segment(const GatherParams& p, Rows rows, int32_t i0, int32_t i1,
+                                         int64_t* src_off) {
   const int32_t* cu = p.cu_seq_lens;
-  int r = find_request(cu, p.num_reqs, rows.t0);
+  int r = find_request(cu, p.num_reqs, rows.t0 + i0);
   int64_t next = r + 1 < p.num_reqs ? cu[r + 1] : INT64_MAX;  // first row of the next request
   bool enter = true;  // recompute the page from the token (new request, or tok was < 0)
   int64_t base = -1, lb = 0, slot = 0, tok_base = 0;  // tok = tok_base + t
-  for (int32_t i = 0; i < rows.n; ++i) {
+  for (int32_t i = i0; i < i1; ++i) {
     const int64_t t = rows.t0 + i;
     if (t >= next) {
       do {
@@ -178,12 +183,18 @@ MLA_HOST_DEVICE inline void walk_window(const GatherParams& p, Rows rows, int64_
   }
 }
 
+constexpr int kWalkLanes = 32;  // one warp maps a window
+
 // The mapping stage of window `rows` for thread tid (the kernel's first
-// phase; a __syncthreads follows): thread 0 walks the window when `walk`
-// (cu_seq_lens non-decreasing), else thread i < rows.n searches row t0 + i.
+// phase; a __syncthreads follows): when `walk` (cu_seq_lens non-decreasing)
+// lane tid < 32 of the first warp walks its segment of ceil(rows.n / 32)
+// rows, else thread i < rows.n searches row t0 + i.
 MLA_HOST_DEVICE inline void map_rows(const GatherParams& p, Rows rows, int64_t* src_off, int tid, bool walk) {
   if (walk) {
-    if (tid == 0) walk_window(p, rows, src_off);
+    const int32_t seg = (rows.n + kWalkLanes - 1) / kWalkLanes;
+    const int32_t i0 = tid * seg;
+    const int32_t i1 = i0 + seg < rows.n ? i0 + seg : rows.n;
+    if (tid < kWalkLanes && i0 < i1) walk_segment(p, rows, i0, i1, src_off);
   } else if (tid < rows.n) {
     src_off[tid] = source_offset(p, rows.t0 + tid);
   }

@@ -346,6 +346,14 @@ MLA_MARLIN_HD GemmV2Plan plan_v2(int64_t M, int64_t N, int64_t K, int64_t group_
     if (s > kV2AutoMaxSplit) s = kV2AutoMaxSplit;
     const int64_t by_k = pl.k_tiles / kV2StageTiles;
     if (s > by_k) s = by_k;
+    // The reduction writes and re-reads one fp32 partial tile set per slice:
+    // 8 * rows * cols bytes per slice. Bound it by the weight's bytes (fp8,
+    // N_pad x K), so the split never moves more than the GEMM it splits (at
+    // DeepSeek TP8, N = 4096, K = 512, M <= 16: 4 slices, not 8).
+    const int64_t rows = (pl.m_tiles < kV2MaxGridY ? pl.m_tiles : kV2MaxGridY) * pl.tiling.rows();
+    const int64_t per_slice = 8 * rows * pl.n_ctiles * pl.tiling.cols();
+    const int64_t by_bytes = per_slice > 0 ? padded_n(N) * K / per_slice : s;
+    if (s > by_bytes) s = by_bytes;
   }
   if (s > kV2MaxSplit) s = kV2MaxSplit;
   if (s < 1) s = 1;

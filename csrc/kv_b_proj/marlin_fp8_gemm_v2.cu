@@ -4,8 +4,10 @@
 // What changed from v1 (marlin_fp8_gemm.cu), for small M (weight-bandwidth bound):
 // - Split-K. A CTA computes one output tile (16*mb rows x 64*np columns) over
 //   one K slice; plan_v2 (marlin_fp8.h) picks the slices from the tiles and
-//   the SM count, so at N = 4096 and M <= 16 (16 tiles) 8 slices put 128 CTAs
-//   on 132 SMs. Every slice writes its fp32 partial to a global workspace
+//   the SM count, bounded so that the partials written and re-read never
+//   exceed the weight's bytes: at N = 4096, K = 512 and M <= 16 (16 tiles)
+//   4 slices put 64 CTAs on the SMs (8 would move 4 MB of partials for 2 MB
+//   of weights). Every slice writes its fp32 partial to a global workspace
 //   (thread-major, coalesced, L2 resident); the tile's last slice to arrive
 //   (an atomic ticket) sums the partials in slice order 0..split-1, so the
 //   result does not depend on which CTA finishes last, and resets the tile's
@@ -268,6 +270,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) marlin_fp8_gemm_v2_kerne
       // slice order 0..split-1: the same sum whichever CTA arrives last.
       const float* src = p.workspace + tile * kAcc * kThreads + tid;
       zero(acc);
+      // Unrolled by two: the next slice's loads are issued before this one's adds
+      // (the adds stay in slice order, so the sum is unchanged).
+#pragma unroll 2
       for (int64_t sl = 0; sl < split; ++sl, src += tiles * kAcc * kThreads) {
 #pragma unroll
         for (int mb = 0; mb < kMB; ++mb)

@@ -366,7 +366,7 @@ def _compiled_reasons(device_type: str):
         if not _ext.available():
             why.append(_ext.load_error() or "mla_ext._C is not built")
         elif device_type == "cuda" and x.out.device.type == "cuda":
-            ok, msg = _ext.cuda_kernels_usable()
+            ok, msg = _ext.cuda_kernels_usable(x.out.device)
             if not ok:
                 why.append(msg)
         return why

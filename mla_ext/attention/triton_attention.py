@@ -34,7 +34,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# register budget: 255
+@triton.jit(do_not_specialize=["lse_sh"])  # batch-varying: no re-compile
 def _attn_fwd_kernel(
     q_ptr, k1_ptr, k2_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
     qk_scale_log2,
@@ -158,14 +159,15 @@ def _launch_config(dqk_pad: int, dv_pad: int, dtype: torch.dtype) -> tuple[int, 
     -v for sm_90a and sm_86; tests/test_attention_varlen.py checks the shared
     memory): 16-bit 64x64 tiles with QK 128+64 / V 128 need 40-48 KB and
     spill ~1 KB per thread on 4 warps, nothing on 8 warps (QK 256 / V 128:
-    64 KB, no spills on 8 warps); V 256 takes 64x32 tiles (40-53 KB). fp32
-    needs 32x32 tiles and one stage (45 KB for 128+64; it spills either way,
-    1.7 KB per thread split vs 13 KB for one 256-wide tile).
+    64 KB, no spills on 8 warps); V 256 takes 64x32 tiles (40-53 KB). fp32:
+    16x16 tiles, 4 warps, two stages: no spills for QK 128+64 / V 128 and QK
+    256 / V 256, causal or not, sm_86 and sm_90 (109-146 registers, 34-50 KB);
+    the earlier 32x32 / one stage spilled 1.1-1.3 KB per thread (issue 19).
     """
     if _INTERPRET:
         return 64, 64, 4, 1
     if dtype == torch.float32:
-        return 32, 32, 4, 1
+        return 16, 16, 4, 2
     if dv_pad >= 256:
         return 64, 32, 8, 2
     return 64, 64, 8, 2

@@ -70,7 +70,8 @@ def interpreting() -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # register budget: 255
+    @triton.jit(do_not_specialize=["max_blocks", "split_len", "bt_s0", "o_ss", "lse_ss", "lse_sh"])  # batch-varying: no re-compile
     def _latent_attn_kernel(
         ql_ptr, qp_ptr, c_ptr, c32_ptr, c16_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, st_ptr, ks_ptr,
         o_ptr, lse_ptr,
@@ -197,17 +198,25 @@ def _pad(d: int) -> int:
 # Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages). Interpreter: it pays per
 # program, so few big ones. GPU: the accumulator is [BLOCK_M, L] fp32 and the
 # decoded tile [BLOCK_N, L]; measured by compiling ahead of time for L = 512,
-# R = 64 (triton 3.8, ptxas -v; tests/test_prefill_absorbed.py compiles every
-# config and checks the shared memory): 16-bit 32 x 32 on 8 warps needs 84-106 KB
-# (sm_90: fits; sm_86's 99 KB: no) and spills 0.2-1 KB per thread for the fp8
-# decoders; 32 x 16 fits sm_86 (70 KB); fp32 16 x 16 (74 KB, no spills). To be
-# tuned on a GPU (benchmarks/bench_absorbed.py).
-GPU_CONFIGS = {  # (dtype is fp32, capability >= sm_90) -> config
-    (False, True): (32, 32, 8, 1),
-    (False, False): (32, 16, 8, 1),
+# R = 64 (triton 3.8, ptxas -v; tests/test_ptxas_budget.py compiles every config
+# the launcher picks and tests/test_prefill_absorbed.py checks the shared memory).
+# 16-bit: 16 x 32 on 8 warps, one stage: no spills in any decoder (native, fp8,
+# fp8_ds_mla, nvfp4_ds_mla; 170-250 registers, 84-88 KB, fits sm_86's 99 KB). The
+# earlier 32 x 32 (sm_90) / 32 x 16 (sm_86) spilled 424-504 B per thread in the
+# fp8_ds_mla / nvfp4_ds_mla decoders (issue 19); 16 rows decode each KV tile for
+# half as many query rows, a cost to weigh on a GPU against the spills
+# (benchmarks/bench_absorbed.py). fp32: 16 x 16 (74 KB, no spills). A wider,
+# wgmma-sized BLOCK_M needs the latent decoded in slices (not done yet).
+GPU_CONFIGS = {  # (dtype is fp32, the device has BIG_SMEM bytes per block) -> config
+    (False, True): (16, 32, 8, 1),
+    (False, False): (16, 32, 8, 1),
     (True, True): (16, 16, 8, 1),
     (True, False): (16, 16, 8, 1),
 }
+# Configs needing more than 99 KB of shared memory (none now) go to the devices
+# whose measured opt-in limit per block allows them (sm_80: 163 KB, sm_90: 227 KB;
+# sm_86, sm_89 and sm_120: 99 KB), never by capability (sm_120 is "newer" but has 99 KB).
+BIG_SMEM = 110 * 1024
 MAX_BLOCK_L = 512  # the widest latent tile the configs above were checked for
 # Split-KV: aim for this many programs per SM, and no split shorter than this.
 PROGRAMS_PER_SM, MIN_SPLIT_TOKENS = 2, 256
@@ -218,8 +227,8 @@ def launch_config(max_rows: int, dtype: torch.dtype, device: torch.device) -> tu
     if interpreting() or device.type != "cuda":
         return max(16, min(64, triton.next_power_of_2(max(max_rows, 1)))), 64, 4, 1
     # One config per dtype and device, whatever the rows (one compile per cache format).
-    sm90 = torch.cuda.get_device_capability(device) >= (9, 0)
-    return GPU_CONFIGS[(dtype == torch.float32, sm90)]
+    big = torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= BIG_SMEM
+    return GPU_CONFIGS[(dtype == torch.float32, big)]
 
 
 def num_splits(programs: int, max_ctx: int, device: torch.device, block_n: int) -> tuple[int, int]:

@@ -11,10 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_ext.compat import interpreting
 from mla_ext.triton_fp8 import launch_guard
 
 
-@triton.jit
+# register budget: 128
+@triton.jit(do_not_specialize=["num_rows", "ol_sh", "pl_sh", "sl_sh"])  # batch-varying: no re-compile
 def _merge_kernel(
     out_ptr, out_lse_ptr, p_ptr, p_lse_ptr, s_ptr, s_lse_ptr,
     num_rows, num_heads, head_size,
@@ -22,10 +24,13 @@ def _merge_kernel(
     ol_sh, ol_st, pl_sh, pl_st, sl_sh, sl_st,
     HAS_OUT_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    # Rows (token x head) and columns in int32; only each row's base offset is
+    # int64 (a [BLOCK_R] vector), so no per-element int64 pointer math: the
+    # [BLOCK_R, BLOCK_D] tiles add an int32 column to a per-row pointer.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < num_rows
-    t = rows // num_heads
-    h = rows % num_heads
+    t = (rows // num_heads).to(tl.int64)
+    h = (rows % num_heads).to(tl.int64)
     a = tl.load(p_lse_ptr + h * pl_sh + t * pl_st, mask=rmask, other=float("-inf"))
     b = tl.load(s_lse_ptr + h * sl_sh + t * sl_st, mask=rmask, other=float("-inf"))
     a = tl.where(a == float("inf"), float("-inf"), a)
@@ -44,12 +49,14 @@ def _merge_kernel(
     # An empty side is never loaded (masked off), so garbage in its o cannot leak.
     m1 = rmask[:, None] & dmask[None, :] & (s1 > 0)[:, None]
     m2 = rmask[:, None] & dmask[None, :] & (s2 > 0)[:, None]
-    x1 = tl.load(p_ptr + t[:, None] * p_st + h[:, None] * p_sh + d[None, :], mask=m1, other=0.0).to(tl.float32)
-    x2 = tl.load(s_ptr + t[:, None] * s_st + h[:, None] * s_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    p_row = p_ptr + (t * p_st + h * p_sh)
+    s_row = s_ptr + (t * s_st + h * s_sh)
+    o_row = out_ptr + (t * o_st + h * o_sh)
+    x1 = tl.load(p_row[:, None] + d[None, :], mask=m1, other=0.0).to(tl.float32)
+    x2 = tl.load(s_row[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
     o = s1[:, None] * x1 + s2[:, None] * x2
     omask = rmask[:, None] & dmask[None, :]
-    tl.store(out_ptr + t[:, None] * o_st + h[:, None] * o_sh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=omask)
+    tl.store(o_row[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
     if HAS_OUT_LSE:
         lse = tl.where(empty, float("-inf"), m_safe + tl.log(denom))
         tl.store(out_lse_ptr + h * ol_sh + t * ol_st, lse, mask=rmask)
@@ -73,8 +80,11 @@ def merge_attn_states_triton(
         return
     block_d = triton.next_power_of_2(max(d, 1))
     # ~4K elements per program: large tiles keep the interpreter fast and
-    # give a GPU enough bytes in flight per program.
-    block_r = max(1, min(triton.next_power_of_2(rows), 4096 // block_d))
+    # give a GPU enough bytes in flight per program. On a GPU the tile does not
+    # shrink with the batch (each size would be another compiled variant).
+    block_r = max(1, 4096 // block_d)
+    if interpreting():
+        block_r = min(block_r, triton.next_power_of_2(rows))
     ol = out_lse if out_lse is not None else lse1  # never written when HAS_OUT_LSE is False
     grid = (triton.cdiv(rows, block_r),)
     with launch_guard(out):

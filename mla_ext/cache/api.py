@@ -19,8 +19,10 @@ MLA_EXT_FORCE_GATHER=<name> forces one):
             "cpu" (csrc/cache/cache_cpu.cpp), "triton_paged" and
             "triton_rowwise" (mla_ext/cache/triton_gather.py);
   write     "cuda_vector" (16-byte loads, 8/16-byte stores), "cuda_scalar"
-            (the earlier element-by-element kernel), "cpu";
-  kv scale  "cuda_vector", "cuda_scalar", "cpu".
+            (the earlier element-by-element kernel), "cpu", "triton"
+            (mla_ext/cache/triton_write.py, bit-identical to "cpu": serves a GPU
+            the library holds no binary for);
+  kv scale  "cuda_vector", "cuda_scalar", "cpu", "triton".
 The earlier kernels stay selectable until a GPU has measured both
 (benchmarks/bench_gather.py reports them side by side). The names "cuda" and
 "triton" still work for forcing: they mean the newest kernel of each
@@ -101,7 +103,7 @@ def _cuda_reasons(inp) -> list[str]:
         return why
     if inp.device.type != "cuda":
         return [f"tensors are on {inp.device}, not CUDA"]
-    ok, reason = _ext.cuda_kernels_usable()
+    ok, reason = _ext.cuda_kernels_usable(inp.device)
     return [] if ok else [reason]
 
 
@@ -155,6 +157,26 @@ def _run_compiled_gather(inp: GatherInputs, kernel: int = KERNEL_NEWEST) -> None
         )
 
 
+def _triton_write_reasons(op: str, inp: TensorInputs) -> list[str]:
+    """The Triton writer / KV-scale kernel (mla_ext/cache/triton_write.py): serves a GPU
+    whose CUDA kernels are not in the library (and the CPU under the interpreter)."""
+    try:
+        from mla_ext.cache import triton_write
+    except ImportError as exc:  # the module or triton itself is missing
+        return [f"the Triton writer cannot be imported ({exc})"]
+    if op == "write":
+        return triton_write.write_not_supported_reasons(inp.args)
+    return triton_write.kv_scale_not_supported_reasons(inp.args)
+
+
+def _run_triton_write(op: str, inp: TensorInputs):
+    from mla_ext.cache import triton_write
+
+    if op == "write":
+        return triton_write.write_triton(*inp.args)
+    return triton_write.kv_scale_triton(*inp.args)
+
+
 def _run_write(inp: TensorInputs, kernel: int = KERNEL_NEWEST) -> None:
     _ext.ops().concat_and_cache_mla(*inp.args, kernel)
 
@@ -190,11 +212,13 @@ WRITE = _AliasedDispatcher("write", [
     Backend("cuda_vector", _cuda_reasons, partial(_run_write, kernel=KERNEL_NEWEST)),
     Backend("cuda_scalar", _cuda_reasons, partial(_run_write, kernel=KERNEL_PREVIOUS)),
     Backend("cpu", _cpu_reasons, _run_write),
+    Backend("triton", partial(_triton_write_reasons, "write"), partial(_run_triton_write, "write")),
 ], aliases={"cuda": "cuda_vector"})
 KV_SCALE = _AliasedDispatcher("kv_scale", [
     Backend("cuda_vector", _cuda_reasons, partial(_run_kv_scale, kernel=KERNEL_NEWEST)),
     Backend("cuda_scalar", _cuda_reasons, partial(_run_kv_scale, kernel=KERNEL_PREVIOUS)),
     Backend("cpu", _cpu_reasons, _run_kv_scale),
+    Backend("triton", partial(_triton_write_reasons, "kv_scale"), partial(_run_triton_write, "kv_scale")),
 ], aliases={"cuda": "cuda_vector"})
 
 
@@ -339,4 +363,7 @@ def explain(op: str, inputs) -> str:
     if not ok:
         raise ValueError(f"inputs: expected a {want.__name__} for op {op!r} (the inputs its backends "
                          f"decide on), got {type(inputs).__name__}")
-    return dispatchers[op].explain(inputs)
+    text = dispatchers[op].explain(inputs)
+    if inputs.device.type == "cuda":  # which SASS binary or PTX the CUDA backends would run
+        text += "\n  " + _ext.cuda_target_note(inputs.device)
+    return text

@@ -123,7 +123,8 @@ if triton is not None:
         slot = tl.where(ok, tok % block_size, 0).to(tl.int64)
         return rows, live, ok, blk, slot
 
-    @triton.jit
+    # register budget: 192
+    @triton.jit(do_not_specialize=["num_reqs", "max_blocks", "dst_rows", "search_steps", "bt_s0"])  # batch-varying: no re-compile
     def _gather_kernel(
         src_ptr, src_f32_ptr, src_bf16_ptr, dst_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr,
         num_reqs, num_blocks, block_size, max_blocks, dst_rows, n_cols, search_steps,
@@ -232,7 +233,7 @@ if triton is not None:
     # ptxas (Triton 3.8, the launch configs of _paged_tiles): 52-111 registers on
     # sm_86 and sm_90a, no spills (tests/test_cache_paged_gather.py checks it).
     # register budget: 128
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_reqs", "max_blocks", "dst_rows", "search_steps", "bt_s0"])  # batch-varying: no re-compile
     def _gather_paged_kernel(
         src_ptr, src_f32_ptr, src_bf16_ptr, dst_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr,
         num_reqs, num_blocks, block_size, max_blocks, dst_rows, n_cols, search_steps,

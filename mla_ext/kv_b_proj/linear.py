@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mla_ext import _ext
 from mla_ext._args import as_device, check_int
 from mla_ext.cache import checks
 from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
@@ -526,11 +527,20 @@ class KvBProj:
         return self._cached(self._block_cache, device, device, "the scaled_mm_block weight layout",
                             lambda: S.prepare_weight(f.weight.to(device), f.weight_scale_inv.to(device)))
 
-    def prepare(self, device=None, dtype: torch.dtype | None = None) -> "KvBProj":
+    def prepare(self, device=None, dtype: torch.dtype | None = None, *, warm: bool | None = None,
+                max_rows: int = 8192, act_dtype: torch.dtype | None = None) -> "KvBProj":
         """Builds what the forward path would otherwise build on first use (the
         dequantized weight of the dense fallback; for block-fp8 weights on sm_90 also
         the scaled_mm_block capability probe and weight layout), e.g. before a CUDA
-        graph capture."""
+        graph capture.
+
+        `warm` (default: on a CUDA device) also runs the forward once per row-count
+        bucket up to `max_rows` (`warm_rows`), so that every kernel variant the
+        dispatch picks for some M (Triton launch configs by M, backend switches) is
+        compiled now, not while serving or inside a graph capture. Integer arguments
+        that vary with the batch never cause a compile (`do_not_specialize`).
+        `act_dtype`: the activations the layer feeds (default `dtype` / params dtype;
+        fp8 for fp8 prefill)."""
         device = torch.device(device or self.device)
         self.dense_weight(dtype or self.params_dtype, device)
         if isinstance(self.weight_format, W.Fp8BlockWeight) and device.type == "cuda":
@@ -539,7 +549,16 @@ class KvBProj:
             if (not S.shape_reasons(self.N, self.K)
                     and not S.blockwise_scaled_mm_reasons(device, self.params_dtype)):
                 self.scaled_mm_block_weight(device)
+        if warm if warm is not None else device.type == "cuda":
+            self._warm(device, act_dtype or dtype or self.params_dtype, max_rows)
         return self
+
+    def _warm(self, device: torch.device, act_dtype: torch.dtype, max_rows: int) -> None:
+        fp8 = act_dtype in FP8_DTYPES
+        scale = torch.ones(1, dtype=torch.float32, device=device) if fp8 else None
+        for m in warm_rows(max_rows):
+            x = torch.zeros(m, self.K, dtype=torch.float32 if fp8 else act_dtype, device=device)
+            self.forward(x.to(act_dtype), x_scale=scale)
 
     def _inputs(self, M: int, device, act_dtype, x=None, x_scale=None, out=None) -> KvBProjInputs:
         device = torch.device(device)
@@ -621,11 +640,24 @@ class KvBProj:
                 + (f" (sm_{cap[0]}{cap[1]})" if cap else "") + f", M={M}")
         inputs = self._inputs(M, device, act_dtype or self.params_dtype)
         text = head + "\n" + DISPATCH.explain(inputs)
+        if device.type == "cuda":  # which SASS binary or PTX the CUDA backends would run
+            text += "\n  " + _ext.cuda_target_note(device)
         try:
             name = DISPATCH.choose(inputs).name
         except ValueError:
             return text
         return text + f"\n  activations: {activation_quantization(name, inputs.act_dtype)}"
+
+
+def warm_rows(max_rows: int) -> list[int]:
+    """Row counts that reach every M bucket of the dispatch and the Triton launch
+    configs (their boundaries are powers of two): 1, 2^k and 2^k + 1 up to max_rows."""
+    check_int(max_rows, "max_rows", minimum=1)
+    out, p = {1, max_rows}, 2
+    while p <= max_rows:
+        out.update({p, min(p + 1, max_rows)})
+        p *= 2
+    return sorted(out)
 
 
 # -- machine-level report for the `info` CLI ----------------------------------

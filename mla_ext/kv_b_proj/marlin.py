@@ -286,6 +286,9 @@ def plan_v2(m: int, n: int, k: int, group_size: int, sm_count: int, split_k: int
     if s <= 0:
         s = (sm_count + tiles // 2) // tiles if (sm_count > 0 and tiles > 0) else 1
         s = min(s, 16, k_t // 2)
+        # The reduction's bytes (8 per fp32 partial: written, re-read) stay within the weight's.
+        per_slice = 8 * min(m_t, 65535) * 16 * mb * n_ct * 32 * ws
+        s = min(s, n_tiles * TILE_N * k // per_slice)
     s = max(1, min(s, MAX_SPLIT_K))
     length = -(-k_t // s)
     length = max(1, -(-length // 2) * 2)
@@ -322,7 +325,7 @@ def marlin_not_supported_reasons(a: torch.Tensor, packed: MarlinFp8Packed) -> li
         reasons.append(f"a is on {a.device}, the packed weight on {packed.qweight.device}")
         return reasons
     if a.device.type == "cuda":
-        ok, why = _ext.cuda_kernels_usable()
+        ok, why = _ext.cuda_kernels_usable(a.device)
         if not ok:
             reasons.append(why)
         elif torch.cuda.get_device_capability(a.device) < (8, 0):

@@ -31,14 +31,37 @@ def _check_x(x: torch.Tensor) -> None:
         raise ValueError(f"x must have unit stride along K, got strides {x.stride()}")
 
 
+def triton_reasons(device) -> list[str]:
+    """Why the Triton quantizer cannot run on `device` (empty: it can). It stores
+    float8_e4m3fn, a type Triton has only on sm_89+ (on sm_80/sm_86 the kernel would
+    fail to compile); the torch path serves there. CPU tensors (the interpreter)
+    store fp32 and cast in torch."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    cap = tuple(torch.cuda.get_device_capability(device))
+    if cap < (8, 9):
+        return [f"the Triton fp8 quantizer stores float8_e4m3fn, which Triton supports on sm_89+ only; "
+                f"{device} is sm_{cap[0]}{cap[1]}"]
+    return []
+
+
 def per_token_group_quant_fp8(x: torch.Tensor, group: int = GROUP, eps: float = EPS,
                               use_triton: bool | None = None):
-    """x [M, K] (row stride may exceed K) -> (fp8 e4m3 [M, K], fp32 scales [M, ceil(K/group)])."""
+    """x [M, K] (row stride may exceed K) -> (fp8 e4m3 [M, K], fp32 scales [M, ceil(K/group)]).
+
+    use_triton: None picks the Triton kernel for CUDA tensors where it can run
+    (`triton_reasons`), else the torch path; True on a device without Triton fp8
+    raises ValueError with the reason."""
     _check_x(x)
     if group != GROUP:
         raise ValueError(f"group must be {GROUP}, got {group}")
     if use_triton is None:
-        use_triton = x.is_cuda
+        use_triton = x.is_cuda and not triton_reasons(x.device)
+    elif use_triton:
+        why = triton_reasons(x.device)
+        if why:
+            raise ValueError("use_triton: " + "; ".join(why))
     if not use_triton:
         return ref.per_token_group_quant_fp8_ref(x, group, eps)
     m, k = x.shape

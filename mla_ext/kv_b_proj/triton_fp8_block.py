@@ -22,7 +22,8 @@ from mla_ext.triton_fp8 import launch_guard
 BLOCK_K = ref.FP8_BLOCK
 
 
-@triton.jit
+# register budget: 255
+@triton.jit(do_not_specialize=["M"])  # batch-varying: no re-compile
 def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                            stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -43,7 +43,8 @@ EPS = 1e-10
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit
+# register budget: 128
+@triton.jit(do_not_specialize=["M", "Mq", "stride_sg"])  # batch-varying: no re-compile
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, Mq, Kq, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, FP8_OUT: tl.constexpr):
     """One program: BLOCK_M rows x one 128-wide group g of q [Mq, Kq]. Rows >= M and

@@ -377,6 +377,51 @@ class MLAPrefill:
     def _linear_act_dtype(self) -> torch.dtype:
         return self.activation_dtype
 
+    def prepare(self, kv_cache: Tensor, *, k_scale: Tensor | None = None,
+                warm: bool | None = None) -> "MLAPrefill":
+        """Compiles every kernel variant this layer will use, before serving (and before
+        any CUDA graph capture), so no Triton JIT compile happens mid-run: `warm`
+        (default: kv_cache on a CUDA device) runs kv_b_proj once per row bucket up to the
+        workspace rows (`KvBProj.prepare`), the cache writer (a padding slot: nothing is
+        stored) and KV-scale kernel, the gathers at a small and a >= 64K-row dst (their
+        two tile configs), and a tiny two-request forward through each context path
+        (absorbed and up-projected). The cache is only read. Integer arguments that
+        vary with the batch never cause a compile (`do_not_specialize`)."""
+        self.check_cache(kv_cache)
+        device = kv_cache.device
+        warm = device.type == "cuda" if warm is None else check_bool(warm, "warm")
+        self.kv_b_proj.prepare(device, self.kv_b_proj.params_dtype, warm=warm,
+                               max_rows=self.workspace_rows, act_dtype=self._linear_act_dtype())
+        if not warm:
+            return self
+        m, dt = self.model, self.model.model_dtype
+        if k_scale is None and self.spec.quant_mode == QuantMode.FP8_PER_TENSOR:
+            k_scale = torch.ones(1, dtype=torch.float32, device=device)
+        kv_c = torch.zeros(3, m.L, dtype=dt, device=device)
+        k_pe = torch.zeros(3, m.R, dtype=dt, device=device)
+        self.compute_kv_scale(kv_c, k_pe)
+        self.write_cache(kv_c, k_pe, kv_cache, torch.full((3,), -1, dtype=torch.int64, device=device),
+                         k_scale, validate=False)
+        scale = self._k_scale(k_scale, device)
+        table = torch.zeros(2, 1, dtype=torch.int32, device=device)
+        cu = torch.tensor([0, 1, 1], dtype=torch.int32, device=device)
+        for rows in (2, max(65536, 2)):  # the gathers' tile height changes at 64K dst rows
+            if rows > 2 and self.workspace_rows < 65536:
+                break
+            dst = torch.empty(rows, m.L + m.R, dtype=self.workspace_dtype, device=device)
+            cache_api.gather_and_maybe_dequant_cache(kv_cache, dst, table, cu, 1, self.spec.kv_cache_dtype,
+                                                     scale)
+        meta = PrefillMetadata(table, [1, 0], [1, 2], k_scale, block_size=kv_cache.shape[1])
+        q = torch.zeros(3, m.num_heads, m.P + m.R, dtype=dt, device=device)
+        kept = self.context_attention
+        try:
+            for mode in ("absorbed", "up_project"):
+                self.context_attention = ContextAttention(self, mode)
+                self.forward(q, kv_c, k_pe, kv_cache, meta, k_scale=k_scale, validate=False)
+        finally:
+            self.context_attention = kept
+        return self
+
     # -- cache writes --------------------------------------------------------
     def compute_kv_scale(self, kv_c: Tensor, k_pe: Tensor) -> Tensor | None:
         """The per-tensor K scale for this layer, or None when it computes none

@@ -942,3 +942,16 @@ simple(f"{CLI}:info_dict", "keys", cli.info_dict, "accept",
        check=that(lambda d: {"torch", "backends", "archs"} <= set(d), lambda d: d))
 simple(f"{CLI}:format_info", "text", lambda: cli.format_info(cli.info_dict()), "accept")
 simple(f"{CLI}:build_parser", "help_text", lambda: cli.build_parser().format_help(), "accept")
+
+
+# ---------------------------------------------------------------------------
+# kv_b_proj warm-up rows (issue 19: KvBProj.prepare compiles every M bucket)
+# ---------------------------------------------------------------------------
+
+from mla_ext.kv_b_proj.linear import warm_rows  # noqa: E402
+
+WARM = "mla_ext.kv_b_proj.linear:warm_rows"
+simple(WARM, "valid", lambda: warm_rows(33), "accept", check=equals([1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33]))
+simple(WARM, "zero", lambda: warm_rows(0), args=("max_rows",))
+simple(WARM, "bool", lambda: warm_rows(True), args=("max_rows",))
+simple(WARM, "float", lambda: warm_rows(4.0), args=("max_rows",))
