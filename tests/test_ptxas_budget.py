@@ -478,10 +478,22 @@ def ptxas_report_ptx(ptx: str, arch: str, ptxas: str, version: str) -> str:
     return _cached(key, f"triton-{name.group(1) if name else 'kernel'}-{arch}", produce)
 
 
-# The lent GPU machine's Triton (3.6) beside the pinned one: a target folder made once with
-#   pip install --target build/triton36 --no-deps triton==3.6.0
-# (or MLA_EXT_TRITON36=<folder>); the test is skipped for it when the folder is absent.
-TRITON36 = pathlib.Path(os.environ.get("MLA_EXT_TRITON36") or ROOT / "build" / "triton36")
+def triton36_folder() -> pathlib.Path:
+    """The lent GPU machine's Triton (3.6) beside the pinned one: MLA_EXT_TRITON36=<folder>,
+    else build/triton36 when present, else the client cache's target folder, filled on
+    first use (tests/clients/client_tree.py: pip install --no-deps --target); the
+    test is skipped, with pip's reason, when it cannot be filled."""
+    given = os.environ.get("MLA_EXT_TRITON36")
+    if given:
+        return pathlib.Path(given)
+    if (ROOT / "build" / "triton36" / "triton").is_dir():
+        return ROOT / "build" / "triton36"
+    from clients.client_tree import ClientUnavailable, ensure_target
+
+    try:
+        return ensure_target("triton36")
+    except ClientUnavailable as exc:
+        pytest.skip(f"no Triton 3.6: {exc}")
 
 
 @pytest.mark.parametrize("which", ["pinned", "3.6"])
@@ -491,11 +503,12 @@ def test_triton_kernels_stay_in_their_register_budgets_without_spills(which):
     if which == "pinned":
         ptxas = _triton_ptxas()
     else:
-        ptxas = TRITON36 / "triton" / "backends" / "nvidia" / "bin" / "ptxas"
+        folder = triton36_folder()
+        ptxas = folder / "triton" / "backends" / "nvidia" / "bin" / "ptxas"
         if not ptxas.exists():
-            pytest.skip(f"no Triton 3.6 at {TRITON36} (pip install --target build/triton36 --no-deps triton==3.6.0)")
+            pytest.skip(f"no ptxas in the Triton 3.6 at {folder}")
         ptxas = str(ptxas)
-        env["PYTHONPATH"] = os.pathsep.join([str(TRITON36)] + [p for p in [env.get("PYTHONPATH")] if p])
+        env["PYTHONPATH"] = os.pathsep.join([str(folder)] + [p for p in [env.get("PYTHONPATH")] if p])
     if ptxas is None:
         pytest.skip("no ptxas for Triton")
     r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,

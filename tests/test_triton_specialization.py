@@ -37,17 +37,16 @@ MUST_VARY = {
 }
 
 
-# The lent GPU machine's Triton 3.6 too, from the target folder tests/test_ptxas_budget.py uses.
-TRITON36 = os.environ.get("MLA_EXT_TRITON36") or os.path.join(ROOT, "build", "triton36")
 
 
 @pytest.mark.parametrize("which", ["pinned", "3.6"])
 def test_one_specialization_per_config_and_aot_compile_for_sm90(which):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if which == "3.6":
-        if not os.path.isdir(os.path.join(TRITON36, "triton")):
-            pytest.skip(f"no Triton 3.6 at {TRITON36} (pip install --target build/triton36 --no-deps triton==3.6.0)")
-        env["PYTHONPATH"] = os.pathsep.join([TRITON36] + [p for p in [env.get("PYTHONPATH")] if p])
+        # The lent GPU machine's Triton 3.6, from the folder tests/test_ptxas_budget.py uses.
+        from test_ptxas_budget import triton36_folder
+
+        env["PYTHONPATH"] = os.pathsep.join([str(triton36_folder())] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "triton_specialization_probe.py"), "--compile"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():

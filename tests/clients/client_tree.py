@@ -131,6 +131,36 @@ def ensure(name: str) -> Path:
     return final
 
 
+# Whole packages installed as they are (compiled parts included) into a target
+# folder, for tools a test runs beside the venv's own: Triton 3.6 is the lent GPU
+# machine's, whose compiler the ptxas-budget and specialization tests also run.
+TARGETS = {"triton36": "triton==3.6.0"}
+
+
+def ensure_target(name: str) -> Path:
+    """The `pip install --no-deps --target` folder of TARGETS[name] (filled on first
+    use, atomically, under the same lock discipline as `ensure`)."""
+    requirement = TARGETS[name]
+    root = cache_root()
+    final = root / requirement.replace("==", "-")
+    if (final / ".complete").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / ".complete").exists():
+            return final
+        work = root / f".{name}.partial"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        _pip("install", "--no-deps", "--no-compile", "--target", str(work / "site"), requirement, cwd=work)
+        shutil.rmtree(final, ignore_errors=True)
+        (work / "site").rename(final)
+        shutil.rmtree(work, ignore_errors=True)
+        (final / ".complete").write_text(requirement + "\n")
+    return final
+
+
 if __name__ == "__main__":  # fill ahead of the tests: python tests/clients/client_tree.py vllm
-    for arg in sys.argv[1:] or sorted(CLIENTS):
-        print(arg, ensure(arg))
+    for arg in sys.argv[1:] or sorted(CLIENTS) + sorted(TARGETS):
+        print(arg, ensure_target(arg) if arg in TARGETS else ensure(arg))
