@@ -185,3 +185,26 @@ def test_cuda_kernels_bit_identical_to_cpu(fmt, Q, scale_fmt, B):
     assert _same(go.cpu(), wo)
     inp = IndexWriteInputs(k.cuda(), got, slot.cuda(), ic.get_index_format(fmt), Q, scale_fmt)
     assert INDEX_WRITE.choose(inp).name == "cuda"
+
+
+def test_ue8m0_scale_one_ulp_above_a_power_of_two_rounds_up_everywhere():
+    """amax / 448 = 2^k (1 + 2^-23): torch.exp2(ceil(log2)) would give 2^k (log2 rounds down); the
+    reference, the C++ kernel and the Triton writer all take the exact ceiling, 2^(k+1)."""
+    p2 = torch.tensor([2.0 ** -8, 2.0 ** -3, 1.0])
+    amax = torch.nextafter(p2, torch.full_like(p2, 10.0)) * ic.E4M3_MAX
+    k = torch.zeros(3, D)
+    k[:, 0] = amax
+    while not torch.equal(k[:, 0] / ic.E4M3_MAX, torch.nextafter(p2, torch.full_like(p2, 10.0))):
+        pytest.skip("no fp32 amax gives exactly one ulp above here")
+    _, s = ic.quantize_fp8_rows(k, D, "ue8m0")
+    assert torch.equal(s[:, 0], p2 * 2)
+    f = ic.get_index_format("fp8")
+    want, got = f.empty(1, 4, D, D), f.empty(1, 4, D, D)
+    ic._write_torch(IndexWriteInputs(k, want, torch.arange(3), f, D, "ue8m0"))
+    ops.index_cache_write(k, got, torch.arange(3), "fp8", D, "ue8m0")
+    tri = f.empty(1, 4, D, D)
+    with INDEX_WRITE.force("triton"):  # the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
+        ic.write_index_cache(k, tri, torch.arange(3), "fp8", scale_fmt="ue8m0")
+    for c in (got, tri):
+        assert torch.equal(c[0].reshape(-1)[:3 * D], want[0].reshape(-1)[:3 * D])
+        assert torch.equal(c[0].reshape(-1)[4 * D:4 * D + 12], want[0].reshape(-1)[4 * D:4 * D + 12])

@@ -14,7 +14,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void write_kernel(const WriteParams p, int64_t total) {
+// register budget: 48
+__global__ void index_write_kernel(const WriteParams p, int64_t total) {
   const int units = write_units(p);
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total; i += int64_t{gridDim.x} * kThreads)
     write_unit(p, static_cast<int32_t>(i / units), static_cast<int>(i % units));
@@ -32,7 +33,8 @@ __device__ int32_t request_of(const GatherParams& p, int32_t row) {
   return row < p.cu_seq_lens[lo + 1] ? lo : -1;
 }
 
-__global__ void gather_kernel(const GatherParams p, int64_t total) {
+// register budget: 48
+__global__ void index_gather_kernel(const GatherParams p, int64_t total) {
   const int width = gather_width(p);
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total; i += int64_t{gridDim.x} * kThreads) {
     const int32_t row = static_cast<int32_t>(i / width);
@@ -54,14 +56,14 @@ int grid_for(int64_t total) {
 int write_cuda(const WriteParams& p, void* stream) {
   const int64_t total = static_cast<int64_t>(p.num_tokens) * write_units(p);
   if (total == 0) return 0;
-  write_kernel<<<grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, total);
+  index_write_kernel<<<grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, total);
   return static_cast<int>(cudaGetLastError());
 }
 
 int gather_cuda(const GatherParams& p, void* stream) {
   const int64_t total = static_cast<int64_t>(p.dst_rows) * gather_width(p);
   if (total == 0 || p.num_reqs == 0) return 0;
-  gather_kernel<<<grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, total);
+  index_gather_kernel<<<grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, total);
   return static_cast<int>(cudaGetLastError());
 }
 

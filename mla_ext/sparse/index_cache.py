@@ -110,8 +110,10 @@ def quantize_fp8_rows(k: Tensor, quant_block_size: int, scale_fmt: str | None = 
     T, D = k.shape
     x = k.to(torch.float32).view(T, D // quant_block_size, quant_block_size)
     scale = x.abs().amax(dim=-1).clamp_min(MIN_SCALE) / E4M3_MAX
-    if scale_fmt == "ue8m0":
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    if scale_fmt == "ue8m0":  # up to a power of two, exactly on the bits: torch.log2 rounds 2^k * (1 + 2^-23)
+        bits = scale.view(torch.int32)  # down to k (the Triton and compiled writers do the same)
+        up = ((bits & 0x7FFFFF) != 0) & ((bits & 0x7F800000) != 0x7F800000)
+        scale = torch.where(up, (bits & 0x7F800000) + 0x800000, bits).view(torch.float32)
     elif scale_fmt not in (None, "", "fp32"):
         raise ValueError(f"scale_fmt: expected None, 'fp32' or 'ue8m0', got {scale_fmt!r}")
     q = (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
