@@ -185,6 +185,19 @@ def test_cuda_kernels_bit_identical_to_cpu(fmt, Q, scale_fmt, B):
     assert _same(go.cpu(), wo)
     inp = IndexWriteInputs(k.cuda(), got, slot.cuda(), ic.get_index_format(fmt), Q, scale_fmt)
     assert INDEX_WRITE.choose(inp).name == "cuda"
+    bad = torch.tensor([[0, nb + 3, -1]], dtype=torch.int32)  # out-of-range block ids: zero rows on both
+    cub, st = torch.tensor([0, 3 * B], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    wz, gz = torch.full((3 * B, D), float("nan")), torch.full((3 * B, D), float("nan"), device="cuda")
+    ops.index_cache_gather(want, wz, bad, cub, fmt, D, st)
+    ops.index_cache_gather(got, gz, bad.cuda(), cub.cuda(), fmt, D, st.cuda())
+    assert _same(gz.cpu(), wz)
+    if fmt == "fp8":  # raw bytes + scales
+        S = D // Q
+        wk, ws = torch.full((105, D), 7, dtype=torch.uint8), torch.full((105, 4 * S), 7, dtype=torch.uint8)
+        gk, gs = wk.cuda(), ws.cuda()
+        ops.index_cache_gather(want, wk, table, cu, fmt, D, None, ws)
+        ops.index_cache_gather(got, gk, table.cuda(), cu.cuda(), fmt, D, None, gs)
+        assert torch.equal(gk.cpu(), wk) and torch.equal(gs.cpu(), ws)
 
 
 def test_ue8m0_scale_one_ulp_above_a_power_of_two_rounds_up_everywhere():

@@ -2,7 +2,8 @@
 
 Each token of a layer caches one indexer key k_I [D] (D = index_head_dim, 128 in the
 published configs) beside its latent row. Two formats (mirror of
-csrc/common/indexer_cache_layout.h; tests/test_sparse_index_cache.py checks both agree):
+csrc/common/indexer_cache_layout.h, which the compiled kernels use; tests/test_sparse_index_cache_cpp.py
+compares both through the compiled op index_cache_format_info):
 
   bfloat16  cache [num_blocks, B, D] bf16; 2*D bytes per token.
   float32   cache [num_blocks, B, D] fp32; 4*D bytes per token (fp32 models; the exact-parity tests:
