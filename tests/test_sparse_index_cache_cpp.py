@@ -221,3 +221,22 @@ def test_ue8m0_scale_one_ulp_above_a_power_of_two_rounds_up_everywhere():
     for c in (got, tri):
         assert torch.equal(c[0].reshape(-1)[:3 * D], want[0].reshape(-1)[:3 * D])
         assert torch.equal(c[0].reshape(-1)[4 * D:4 * D + 12], want[0].reshape(-1)[4 * D:4 * D + 12])
+
+
+def test_cpu_range_check_refuses_exactly_what_the_torch_gather_refuses():
+    """The wrappers' per-table-entry check (`_check_table_cpu`) against the per-token `_token_slots`."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(200):
+        B, nb, n = int(torch.randint(1, 5, (1,), generator=g)), 6, int(torch.randint(1, 4, (1,), generator=g))
+        table = torch.randint(-1, nb + 2, (n, 3), generator=g, dtype=torch.int32)
+        lens = torch.randint(0, 3 * B + 2, (n,), generator=g)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+        starts = torch.randint(0, B + 1, (n,), generator=g, dtype=torch.int32) if trial % 2 else None
+        outcome = []
+        for check in (ic._token_slots, ic._check_table_cpu):
+            try:
+                check(table, cu, starts, B, nb)
+                outcome.append("ok")
+            except ValueError as e:
+                outcome.append(str(e).split(":")[0] + (" width" if "width" in str(e) else ""))
+        assert outcome[0] == outcome[1], (trial, outcome)

@@ -21,18 +21,6 @@ __global__ void index_write_kernel(const WriteParams p, int64_t total) {
     write_unit(p, static_cast<int32_t>(i / units), static_cast<int>(i % units));
 }
 
-// The request whose rows [cu[r], cu[r+1]) hold `row`, or -1.
-__device__ int32_t request_of(const GatherParams& p, int32_t row) {
-  if (row < p.cu_seq_lens[0] || row >= p.cu_seq_lens[p.num_reqs]) return -1;
-  int32_t lo = 0, hi = p.num_reqs - 1;  // last r with cu[r] <= row
-  while (lo < hi) {
-    const int32_t mid = (lo + hi + 1) / 2;
-    if (p.cu_seq_lens[mid] <= row) lo = mid;
-    else hi = mid - 1;
-  }
-  return row < p.cu_seq_lens[lo + 1] ? lo : -1;
-}
-
 // register budget: 48
 __global__ void index_gather_kernel(const GatherParams p, int64_t total) {
   const int width = gather_width(p);

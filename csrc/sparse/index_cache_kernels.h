@@ -134,17 +134,31 @@ MLA_HOST_DEVICE inline int64_t gather_page(const GatherParams& p, int32_t r, int
   return blk * p.block_stride;
 }
 
+// The request whose rows [cu[r], cu[r+1]) hold dst row `row`, or -1 (binary search: no
+// per-request loop, so rows spread evenly over threads whatever the request lengths).
+MLA_HOST_DEVICE inline int32_t request_of(const GatherParams& p, int32_t row) {
+  if (row < p.cu_seq_lens[0] || row >= p.cu_seq_lens[p.num_reqs]) return -1;
+  int32_t lo = 0, hi = p.num_reqs - 1;  // the last r with cu[r] <= row
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo + 1) / 2;
+    if (p.cu_seq_lens[mid] <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  return row < p.cu_seq_lens[lo + 1] ? lo : -1;
+}
+
+// The fp32 scale of group g of token `off` (fp8 pages; bytes, so any alignment).
+MLA_HOST_DEVICE inline float page_scale(const GatherParams& p, const uint8_t* page, int32_t off, int g) {
+  const uint8_t* sp = page + scale_offset(off, p.block_size, p.head_dim, p.quant_block_size) + 4 * g;
+  return fp8::bits_f32(static_cast<uint32_t>(sp[0]) | static_cast<uint32_t>(sp[1]) << 8 |
+                       static_cast<uint32_t>(sp[2]) << 16 | static_cast<uint32_t>(sp[3]) << 24);
+}
+
 // Element e of a gathered dequantized row (page byte offset `page`, token `off`).
 MLA_HOST_DEVICE inline float gather_value(const GatherParams& p, int64_t page, int32_t off, int e) {
   const uint8_t* base = p.cache + page;
-  if (p.format == IndexFormat::kFp8) {
-    const int Q = p.quant_block_size;
-    float s;
-    const uint8_t* sp = base + scale_offset(off, p.block_size, p.head_dim, Q) + 4 * (e / Q);
-    s = fp8::bits_f32(static_cast<uint32_t>(sp[0]) | static_cast<uint32_t>(sp[1]) << 8 |
-                      static_cast<uint32_t>(sp[2]) << 16 | static_cast<uint32_t>(sp[3]) << 24);
-    return fp8::decode_e4m3(base[value_offset(off, p.head_dim) + e]) * s;
-  }
+  if (p.format == IndexFormat::kFp8)
+    return fp8::decode_e4m3(base[value_offset(off, p.head_dim) + e]) * page_scale(p, base, off, e / p.quant_block_size);
   const uint8_t* row = base + off * p.entry_stride;
   if (p.format == IndexFormat::kFp32) return reinterpret_cast<const float*>(row)[e];
   return fp8::bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(row)[e]);

@@ -212,6 +212,27 @@ def _token_slots(block_table: Tensor, cu_seq_lens: Tensor, seq_starts: Tensor | 
     return blk, tok % B
 
 
+def _check_table_cpu(block_table: Tensor, cu_seq_lens: Tensor, seq_starts: Tensor | None, B: int,
+                     num_blocks: int) -> int:
+    """_token_slots' range checks (same errors) per table entry, not per token; the row count."""
+    cu = cu_seq_lens.to(torch.int64).cpu()
+    n = len(cu) - 1
+    if block_table.dim() != 2 or block_table.shape[0] < n:
+        raise ValueError(f"block_table: expected [>= {n}, max_blocks], got {tuple(block_table.shape)}")
+    lens = cu[1:] - cu[:-1]
+    starts = seq_starts.to(torch.int64).cpu()[:n] if seq_starts is not None else torch.zeros(n, dtype=torch.int64)
+    live = lens > 0
+    first, last = starts // B, (starts + lens - 1) // B
+    if bool((last[live] >= block_table.shape[1]).any()):
+        raise ValueError(f"block_table: a token's logical block is past the table width {block_table.shape[1]}")
+    cols = torch.arange(block_table.shape[1])
+    used = live[:, None] & (cols >= first[:, None]) & (cols <= last[:, None])
+    ids = block_table[:n].to(torch.int64).cpu()
+    if bool(((ids < 0) | (ids >= num_blocks))[used].any()):
+        raise ValueError(f"block_table: block ids must be in [0, {num_blocks})")
+    return int(cu[-1]) if n >= 0 else 0
+
+
 def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, index_cache_dtype="bfloat16", *,
                       seq_starts: Tensor | None = None, head_dim: int | None = None,
                       out: Tensor | None = None) -> Tensor:
@@ -223,9 +244,9 @@ def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, i
     fmt = get_index_format(index_cache_dtype)
     B, D, S = _geometry(cache, fmt, head_dim)
     if cache.device.type == "cpu":
-        blk, _ = _token_slots(block_table, cu_seq_lens, seq_starts, B, cache.shape[0])  # raises when out of range
-        if out is not None and tuple(out.shape) != (blk.numel(), D):
-            raise ValueError(f"out: expected {(blk.numel(), D)}, got {tuple(out.shape)}")
+        rows = _check_table_cpu(block_table, cu_seq_lens, seq_starts, B, cache.shape[0])  # raises when out of range
+        if out is not None and tuple(out.shape) != (rows, D):
+            raise ValueError(f"out: expected {(rows, D)}, got {tuple(out.shape)}")
     if out is None:
         out = torch.empty(int(cu_seq_lens[-1]), D, dtype=torch.float32, device=cache.device)
     INDEX_GATHER(IndexGatherInputs(cache, block_table, cu_seq_lens, fmt, seq_starts, D, out))
@@ -260,7 +281,7 @@ def cp_gather_indexer_k_quant_cache(kv_cache: Tensor, dst_k: Tensor, dst_scale: 
     D = dst_k.shape[1]
     B, D, S = _geometry(kv_cache, FORMATS["fp8"], D)
     if kv_cache.device.type == "cpu":
-        _token_slots(block_table, cu_seq_lens, None, B, kv_cache.shape[0])  # raises when out of range
+        _check_table_cpu(block_table, cu_seq_lens, None, B, kv_cache.shape[0])  # raises when out of range
     INDEX_GATHER(IndexGatherInputs(kv_cache, block_table, cu_seq_lens, FORMATS["fp8"], None, D, dst_k, dst_scale))
 
 
