@@ -230,7 +230,7 @@ def _check_table_cpu(block_table: Tensor, cu_seq_lens: Tensor, seq_starts: Tenso
     ids = block_table[:n].to(torch.int64).cpu()
     if bool(((ids < 0) | (ids >= num_blocks))[used].any()):
         raise ValueError(f"block_table: block ids must be in [0, {num_blocks})")
-    return int(cu[-1]) if n >= 0 else 0
+    return int(cu[-1])
 
 
 def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, index_cache_dtype="bfloat16", *,
