@@ -105,3 +105,20 @@ def _merge_attn_states_fake(output, output_lse, prefix_output, prefix_lse, suffi
                 prefix_lse=prefix_lse, suffix_output=suffix_output, suffix_lse=suffix_lse)
     # Mutates `output` (and `output_lse` when given) in place; returns nothing.
     return None
+
+
+# === Stage: sparse (DSA indexer key cache) ===
+# Registered only when the library has the ops: a .so built before them (not yet rebuilt after a
+# merge) still loads, without these ops; tests/test_fake_kernels.py requires them once built.
+if hasattr(torch.ops.mla_ext, "index_cache_write"):
+    @torch.library.register_fake("mla_ext::index_cache_write")
+    def _index_cache_write_fake(k, cache, slot_mapping, index_cache_dtype, quant_block_size=0, scale_fmt=""):
+        _one_device("index_cache_write", k=k, cache=cache, slot_mapping=slot_mapping)
+        return None  # writes cache in place
+
+    @torch.library.register_fake("mla_ext::index_cache_gather")
+    def _index_cache_gather_fake(cache, dst, block_table, cu_seq_lens, index_cache_dtype, head_dim, seq_starts=None,
+                                 dst_scale=None):
+        _one_device("index_cache_gather", cache=cache, dst=dst, block_table=block_table, cu_seq_lens=cu_seq_lens,
+                    seq_starts=seq_starts, dst_scale=dst_scale)
+        return None  # writes dst (and dst_scale) in place

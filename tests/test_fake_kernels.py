@@ -14,7 +14,7 @@ from mla_ext import _ext
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="mla_ext._C is not built")
 
 # Ops that take no tensors: torch.compile never traces them through fake tensors.
-NO_TENSOR_OPS = {"format_info", "ds_mla_layout", "build_info"}
+NO_TENSOR_OPS = {"format_info", "ds_mla_layout", "build_info", "index_cache_format_info"}
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -100,6 +100,22 @@ def _case_merge_attn_states():
     out = torch.full((T, N, D), float("nan"))
     out_lse = torch.full((N, T), float("nan"))
     return (out, out_lse, o1, l1, o2, l2)
+
+
+def _index_cache():
+    from mla_ext.sparse.index_cache import get_index_format
+
+    return get_index_format("fp8").empty(2, 4, 32, 16).fill_(0x3C)
+
+
+def _case_index_cache_write():
+    k = torch.randn(3, 32, generator=_gen(5)).to(torch.bfloat16)
+    return (k, _index_cache(), torch.tensor([0, 5, -1]), "fp8", 16, "ue8m0")
+
+
+def _case_index_cache_gather():
+    bt, cu = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
+    return (_index_cache(), torch.full((6, 32), float("nan")), bt, cu, "fp8", 32)
 
 
 CASES = {

@@ -2,7 +2,8 @@
 
 Each token of a layer caches one indexer key k_I [D] (D = index_head_dim, 128 in the
 published configs) beside its latent row. Two formats (mirror of
-csrc/common/indexer_cache_layout.h; tests/test_sparse_index_cache.py checks both agree):
+csrc/common/indexer_cache_layout.h, which the compiled kernels use; tests/test_sparse_index_cache_cpp.py
+compares both through the compiled op index_cache_format_info):
 
   bfloat16  cache [num_blocks, B, D] bf16; 2*D bytes per token.
   float32   cache [num_blocks, B, D] fp32; 4*D bytes per token (fp32 models; the exact-parity tests:
@@ -16,8 +17,9 @@ csrc/common/indexer_cache_layout.h; tests/test_sparse_index_cache.py checks both
             power of two when scale_fmt == "ue8m0"; stored value = e4m3(x / scale).
 
 The page size (`page_bytes`, `IndexCacheSpec`) is what the planner adds beside the latent page.
-On CUDA the writer and the gather run in Triton (triton_index_cache.py); on the CPU in torch
-(checked: slots and block ids in range).
+The writer and the gathers dispatch (index_cache_backends.py) to the compiled CUDA kernels, Triton
+(triton_index_cache.py), the compiled CPU kernels (csrc/sparse/), then torch (the reference here);
+on the CPU the wrappers check slots and block ids in range first (ValueError).
 Gathers follow the latent gather's conventions (SPEC §6): block_table int32
 [num_reqs, max_blocks], cu_seq_lens int32 [num_reqs+1] output row offsets, optional
 seq_starts int32 [num_reqs].
@@ -109,8 +111,10 @@ def quantize_fp8_rows(k: Tensor, quant_block_size: int, scale_fmt: str | None = 
     T, D = k.shape
     x = k.to(torch.float32).view(T, D // quant_block_size, quant_block_size)
     scale = x.abs().amax(dim=-1).clamp_min(MIN_SCALE) / E4M3_MAX
-    if scale_fmt == "ue8m0":
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    if scale_fmt == "ue8m0":  # up to a power of two, exactly on the bits: torch.log2 rounds 2^k * (1 + 2^-23)
+        bits = scale.view(torch.int32)  # down to k (the Triton and compiled writers do the same)
+        up = ((bits & 0x7FFFFF) != 0) & ((bits & 0x7F800000) != 0x7F800000)
+        scale = torch.where(up, (bits & 0x7F800000) + 0x800000, bits).view(torch.float32)
     elif scale_fmt not in (None, "", "fp32"):
         raise ValueError(f"scale_fmt: expected None, 'fp32' or 'ue8m0', got {scale_fmt!r}")
     q = (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -135,7 +139,10 @@ def _page_parts(cache: Tensor, D: int, S: int) -> tuple[Tensor, Tensor]:
 
 def write_index_cache(k: Tensor, cache: Tensor, slot_mapping: Tensor, index_cache_dtype="bfloat16", *,
                       quant_block_size: int | None = None, scale_fmt: str | None = None) -> None:
-    """Store k [T, D] at slots (block * B + offset; a negative slot is skipped, as vLLM's)."""
+    """Store k [T, D] at slots (block * B + offset; a negative slot is skipped, as vLLM's).
+    Runs the first usable backend of index_cache_backends.INDEX_WRITE (CUDA, Triton, C++ CPU, torch)."""
+    from mla_ext.sparse.index_cache_backends import INDEX_WRITE, IndexWriteInputs
+
     fmt = get_index_format(index_cache_dtype)
     if k.dim() != 2:
         raise ValueError(f"k: expected [T, D], got {tuple(k.shape)}")
@@ -146,25 +153,34 @@ def write_index_cache(k: Tensor, cache: Tensor, slot_mapping: Tensor, index_cach
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != T or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping: expected int32/int64 [{T}], got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")
-    if cache.device.type == "cuda":  # one Triton launch (mla_ext/sparse/triton_index_cache.py), no host sync
-        from mla_ext.sparse.triton_index_cache import write_index_cache_triton
+    Q = None
+    if fmt.quantized:
+        Q = quant_block_size or D // S
+        if Q * S != D:
+            raise ValueError(f"quant_block_size: expected {D // S} for this cache, got {quant_block_size}")
+        if scale_fmt not in (None, "", "fp32", "ue8m0"):
+            raise ValueError(f"scale_fmt: expected None, 'fp32' or 'ue8m0', got {scale_fmt!r}")
+    if slot_mapping.device.type == "cpu":  # host check where it costs no sync; CUDA kernels skip such slots
+        if bool((slot_mapping >= cache.shape[0] * B).any()):
+            raise ValueError(f"slot_mapping: slots must be < num_blocks * block_size = {cache.shape[0] * B}")
+    if T:
+        INDEX_WRITE(IndexWriteInputs(k, cache, slot_mapping, fmt, Q, scale_fmt))
 
-        return write_index_cache_triton(k, cache, slot_mapping, fmt, quant_block_size=quant_block_size,
-                                        scale_fmt=scale_fmt)
-    slots = slot_mapping.to(torch.int64).cpu()
-    keep = slots >= 0
-    if bool((slots[keep] >= cache.shape[0] * B).any()):
-        raise ValueError(f"slot_mapping: slots must be < num_blocks * block_size = {cache.shape[0] * B}")
+
+def _write_torch(inp) -> None:
+    """The torch writer (reference of the compiled and Triton ones): out-of-range slots skipped."""
+    k, cache, fmt = inp.k, inp.cache, inp.fmt
+    B = cache.shape[1]
+    slots = inp.slot_mapping.to(torch.int64).cpu()
+    keep = (slots >= 0) & (slots < cache.shape[0] * B)
     blk, off = (slots[keep] // B).to(cache.device), (slots[keep] % B).to(cache.device)
     rows = k[keep.to(k.device)]
     if not fmt.quantized:
         cache[blk, off] = rows.to(fmt.native_dtype)
         return
-    Q = quant_block_size or D // S
-    if Q * S != D:
-        raise ValueError(f"quant_block_size: expected {D // S} for this cache, got {quant_block_size}")
-    vals, scales = _page_parts(cache, D, S)
-    qv, sc = quantize_fp8_rows(rows, Q, scale_fmt)
+    D = k.shape[1]
+    vals, scales = _page_parts(cache, D, D // inp.quant_block_size)
+    qv, sc = quantize_fp8_rows(rows, inp.quant_block_size, inp.scale_fmt)
     vals[blk, off] = qv
     scales[blk, off] = sc
 
@@ -196,42 +212,77 @@ def _token_slots(block_table: Tensor, cu_seq_lens: Tensor, seq_starts: Tensor | 
     return blk, tok % B
 
 
+def _check_table_cpu(block_table: Tensor, cu_seq_lens: Tensor, seq_starts: Tensor | None, B: int,
+                     num_blocks: int) -> int:
+    """_token_slots' range checks (same errors) per table entry, not per token; the row count."""
+    cu = cu_seq_lens.to(torch.int64).cpu()
+    n = len(cu) - 1
+    if block_table.dim() != 2 or block_table.shape[0] < n:
+        raise ValueError(f"block_table: expected [>= {n}, max_blocks], got {tuple(block_table.shape)}")
+    lens = cu[1:] - cu[:-1]
+    starts = seq_starts.to(torch.int64).cpu()[:n] if seq_starts is not None else torch.zeros(n, dtype=torch.int64)
+    live = lens > 0
+    first, last = starts // B, (starts + lens - 1) // B
+    if bool((last[live] >= block_table.shape[1]).any()):
+        raise ValueError(f"block_table: a token's logical block is past the table width {block_table.shape[1]}")
+    cols = torch.arange(block_table.shape[1])
+    used = live[:, None] & (cols >= first[:, None]) & (cols <= last[:, None])
+    ids = block_table[:n].to(torch.int64).cpu()
+    if bool(((ids < 0) | (ids >= num_blocks))[used].any()):
+        raise ValueError(f"block_table: block ids must be in [0, {num_blocks})")
+    return int(cu[-1])
+
+
 def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, index_cache_dtype="bfloat16", *,
                       seq_starts: Tensor | None = None, head_dim: int | None = None,
                       out: Tensor | None = None) -> Tensor:
-    """Dequantized keys float32 [cu_seq_lens[-1], D]: row cu_seq_lens[r] + i = token seq_starts[r] + i of r."""
+    """Dequantized keys float32 [cu_seq_lens[-1], D]: row cu_seq_lens[r] + i = token seq_starts[r] + i of r.
+    Runs the first usable backend of index_cache_backends.INDEX_GATHER; on CUDA out-of-range block ids
+    read zero rows (no host check), on the CPU they raise ValueError."""
+    from mla_ext.sparse.index_cache_backends import INDEX_GATHER, IndexGatherInputs
+
     fmt = get_index_format(index_cache_dtype)
     B, D, S = _geometry(cache, fmt, head_dim)
-    if cache.device.type == "cuda":  # one Triton launch; out-of-range block ids read zero rows there
-        from mla_ext.sparse.triton_index_cache import gather_index_keys_triton
+    if cache.device.type == "cpu":
+        rows = _check_table_cpu(block_table, cu_seq_lens, seq_starts, B, cache.shape[0])  # raises when out of range
+        if out is not None and tuple(out.shape) != (rows, D):
+            raise ValueError(f"out: expected {(rows, D)}, got {tuple(out.shape)}")
+    if out is None:
+        out = torch.empty(int(cu_seq_lens[-1]), D, dtype=torch.float32, device=cache.device)
+    INDEX_GATHER(IndexGatherInputs(cache, block_table, cu_seq_lens, fmt, seq_starts, D, out))
+    return out
 
-        return gather_index_keys_triton(cache, block_table, cu_seq_lens, fmt, seq_starts=seq_starts, head_dim=D,
-                                        out=out)
-    blk, off = _token_slots(block_table, cu_seq_lens, seq_starts, B, cache.shape[0])
-    blk, off = blk.to(cache.device), off.to(cache.device)
-    if fmt.quantized:
-        vals, scales = _page_parts(cache, D, S)
+
+def _gather_torch(inp) -> None:
+    """The torch gather (reference of the compiled and Triton ones): float32 rows, or raw bytes + scales."""
+    B, D, S = _geometry(inp.cache, inp.fmt, inp.head_dim)
+    blk, off = _token_slots(inp.block_table, inp.cu_seq_lens, inp.seq_starts, B, inp.cache.shape[0])
+    blk, off = blk.to(inp.cache.device), off.to(inp.cache.device)
+    if inp.dst_scale is not None:
+        vals, scales = _page_parts(inp.cache, D, S)
+        inp.out.copy_(vals[blk, off].view(inp.out.dtype))
+        inp.dst_scale.copy_(scales[blk, off].contiguous().view(torch.uint8).view(inp.dst_scale.dtype)
+                            .view(inp.dst_scale.shape))
+        return
+    if inp.fmt.quantized:
+        vals, scales = _page_parts(inp.cache, D, S)
         rows = dequantize_fp8_rows(vals[blk, off], scales[blk, off])
     else:
-        rows = cache[blk, off].to(torch.float32)
-    if out is None:
-        return rows
-    if out.shape != rows.shape:
-        raise ValueError(f"out: expected {tuple(rows.shape)}, got {tuple(out.shape)}")
-    out.copy_(rows)
-    return out
+        rows = inp.cache[blk, off].to(torch.float32)
+    inp.out.copy_(rows)
 
 
 def cp_gather_indexer_k_quant_cache(kv_cache: Tensor, dst_k: Tensor, dst_scale: Tensor, block_table: Tensor,
                                     cu_seq_lens: Tensor) -> None:
     """vLLM's op name and arguments: raw e4m3 bytes dst_k uint8 [T, D] and their scales as bytes
     dst_scale uint8 [T, 4*D/Q] of the fp8 index cache, tokens 0.. of each request."""
+    from mla_ext.sparse.index_cache_backends import INDEX_GATHER, IndexGatherInputs
+
     D = dst_k.shape[1]
     B, D, S = _geometry(kv_cache, FORMATS["fp8"], D)
-    blk, off = _token_slots(block_table, cu_seq_lens, None, B, kv_cache.shape[0])
-    vals, scales = _page_parts(kv_cache, D, S)
-    dst_k.copy_(vals[blk, off].view(dst_k.dtype))
-    dst_scale.copy_(scales[blk, off].contiguous().view(torch.uint8).view(dst_scale.dtype).view(dst_scale.shape))
+    if kv_cache.device.type == "cpu":
+        _check_table_cpu(block_table, cu_seq_lens, None, B, kv_cache.shape[0])  # raises when out of range
+    INDEX_GATHER(IndexGatherInputs(kv_cache, block_table, cu_seq_lens, FORMATS["fp8"], None, D, dst_k, dst_scale))
 
 
 @dataclass(frozen=True)
