@@ -95,10 +95,12 @@ def _ds_tile_scale(amax):
 
 
 @triton.jit
-def _e2m1_code(x, s):
-    """e2m1 code of x / s: sign of the quotient, magnitude rounded to nearest even
-    on the grid 0 .5 1 1.5 2 3 4 6, saturating (nvfp4_ds_mla.h encode_e2m1)."""
-    q = tl.math.div_rn(x, s)
+def _e2m1_code(x, inv_s):
+    """e2m1 code of x * inv_s (inv_s = the IEEE reciprocal of the block scale, as vLLM's
+    writer and nvfp4_ds_mla.h encode_e2m1: not x / s, which differs at e2m1 ties): sign
+    of the product, magnitude rounded to nearest even on the grid 0 .5 1 1.5 2 3 4 6,
+    saturating."""
+    q = x * inv_s
     sign = (q.to(tl.int32, bitcast=True) >> 28) & 8
     a = tl.abs(q)
     idx = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
@@ -173,8 +175,9 @@ def _write_kernel(kv_c, k_pe, cache, slots, k_scale, num_slots, block_size,
             s = tl.math.div_rn(amax, tl.full([32], 6.0, tl.float32))
             s = tl.where(s >= 0.001953125, s, 0.001953125)  # 2^-9; NaN -> floor
             sb = tl.where(finite, _encode_e4m3(s), 0x7F)
-            sdec = tl.broadcast_to(e4m3_to_f32(sb)[:, None], [32, 8])
-            pair = _e2m1_code(x0, sdec) | (_e2m1_code(x1, sdec) << 4)
+            sdec = e4m3_to_f32(sb)
+            inv = tl.broadcast_to(tl.math.div_rn(tl.full([32], 1.0, tl.float32), sdec)[:, None], [32, 8])
+            pair = _e2m1_code(x0, inv) | (_e2m1_code(x1, inv) << 4)
             pair = tl.where(finite[:, None], pair, 0)
             tl.store(dst + blk[:, None] * 8 + k[None, :], pair.to(tl.uint8))
             tl.store(dst + 320 + 8 * (blk & 3) + (blk >> 2), sb.to(tl.uint8))
