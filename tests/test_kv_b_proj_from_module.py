@@ -320,13 +320,21 @@ def test_vllm_marlin_layer_sizes_from_the_shape_and_a_mapping():
     assert f.weight.data_ptr() == layer.weight.data_ptr()
 
 
-def test_vllm_marlin_explicit_constructor_needs_no_workspace():
-    layer, _ = _vllm_marlin_layer()
+def test_vllm_marlin_layer_without_workspace_is_recognised_by_its_tensors():
+    """vLLM 0.33 sets no `workspace`: an int32 weight with one 16-bit Marlin scale tensor
+    of the matching width is read as Marlin fp8; the explicit constructor reads the same."""
+    layer, want = _vllm_marlin_layer()
     del layer.workspace
-    with pytest.raises(ValueError, match=r"int32 is a packed layout .*Marlin.*from_vllm_layer"):
-        weight_format_from_module(layer)
-    f = W.MarlinFp8Weight.from_vllm_layer(layer)
-    assert f.weight.data_ptr() == layer.weight.data_ptr()
+    f = weight_format_from_module(layer)
+    assert isinstance(f, W.MarlinFp8Weight) and f.weight.data_ptr() == layer.weight.data_ptr()
+    g = W.MarlinFp8Weight.from_vllm_layer(layer)
+    assert g.weight.data_ptr() == layer.weight.data_ptr()
+    # fp32 scales (not Marlin's folded 16-bit ones) or a scale of another width: not Marlin.
+    for bad in (layer.weight_scale.float(), layer.weight_scale[..., :64].contiguous()):
+        odd, _ = _vllm_marlin_layer(weight_scale=bad)
+        del odd.workspace
+        with pytest.raises(ValueError, match=r"int32 is a packed layout .*Marlin.*from_vllm_layer"):
+            weight_format_from_module(odd)
 
 
 @pytest.mark.parametrize("make, match", [

@@ -54,10 +54,12 @@ def _randn(*shape, seed=0):
 
 @pytest.mark.parametrize("n,k,group_size", [(200, 512, -1), (200, 512, 128), (256, 512, -1), (200, 400, -1)])
 @pytest.mark.parametrize("scale_name", ["weight_scale", "weight_scale_inv"])
-def test_marlin_fp8_layer_without_workspace_is_recognised(n, k, group_size, scale_name):
+@pytest.mark.parametrize("said", [True, None], ids=["use_marlin", "no_statement"])
+def test_marlin_fp8_layer_without_workspace_is_recognised(n, k, group_size, scale_name, said):
     w, s, _ = _case(n, k, group_size, seed=n + k + group_size)
     qweight, scales = vllm_padded_encode(w, s, group_size, BF16)
-    layer = Vllm033Layer(n, k, quant_method=types.SimpleNamespace(use_marlin=True), weight=qweight,
+    method = types.SimpleNamespace() if said is None else types.SimpleNamespace(use_marlin=said)
+    layer = Vllm033Layer(n, k, quant_method=method, weight=qweight,
                          orig_dtype=BF16, **{scale_name: scales},
                          **({} if group_size == -1 else {"weight_block_size": [128, group_size]}))
     assert not hasattr(layer, "workspace")

@@ -54,7 +54,9 @@ Other facts:
   own, see mla_ext/kv_b_proj/marlin.py) only when the object says it is one:
   it has the Marlin `workspace` (or `marlin_workspace`) attribute vLLM's
   `prepare_fp8_layer_for_marlin` set before 0.33, or its `quant_method` says
-  so (vLLM 0.33's Fp8LinearMethod: `use_marlin = True`), or the caller calls
+  so (vLLM 0.33's Fp8LinearMethod: `use_marlin = True`), or, stating nothing,
+  its tensors are exactly Marlin fp8's (int32 [K_pad/16, 4*N_pad] and one
+  16-bit scale tensor [G, N_pad], no global scale), or the caller calls
   `MarlinFp8Weight.from_vllm_layer(layer)` itself. The tensors are used
   without a copy. Sizes: `output_size_per_partition`/`input_size_per_partition`
   (the TRUE sizes: vLLM 0.33 zero-pads N and K to Marlin's tiles, N=200 ->
@@ -281,20 +283,40 @@ def _int4(obj, t: dict[str, torch.Tensor], dt: torch.dtype, arg: str) -> W.Int4G
 _MARLIN_MARKERS = ("workspace", "marlin_workspace")
 
 
-def _states_vllm_marlin(obj) -> bool:
-    """The object says it is a vLLM Marlin fp8 layer: a `workspace` attribute (set by
-    vLLM's repack before 0.33), or its quant method says so (vLLM 0.33 sets no
-    workspace; its Fp8LinearMethod has `use_marlin = True` when its kernel is
-    the Marlin FP8 one, and the kernel object's class names Marlin)."""
+def _marlin_fp8_tensors(t: dict[str, torch.Tensor]) -> bool:
+    """The tensors are exactly what vLLM's prepare_fp8_layer_for_marlin leaves: an
+    int32 `weight` [K_pad/16, 4*N_pad] (N_pad a multiple of 64) and ONE scale tensor,
+    `weight_scale` or `weight_scale_inv`, in a 16-bit model dtype (the bias-folded
+    Marlin scales), [G, N_pad] or [N_pad], and no global scale. No other int32 layout
+    vLLM leaves in `weight` has that: its NVFP4/MXFP4 Marlin layers keep e4m3/ue8m0
+    block scales (and a global scale), GPTQ/AWQ Marlin layers `qweight`."""
+    w = t.get("weight")
+    scales = [t[n] for n in ("weight_scale", "weight_scale_inv") if n in t]
+    if w is None or w.dtype != torch.int32 or w.dim() != 2 or w.shape[1] % 256 or len(scales) != 1:
+        return False
+    if "weight_scale_2" in t or "weight_global_scale" in t or "qweight" in t:
+        return False
+    s = scales[0]
+    return s.dtype in (torch.bfloat16, torch.float16) and s.dim() in (1, 2) and s.shape[-1] == w.shape[1] // 4
+
+
+def _states_vllm_marlin(obj, t: dict[str, torch.Tensor]) -> bool:
+    """The object is a vLLM Marlin fp8 layer: a `workspace` attribute (set by vLLM's
+    repack before 0.33); or its quant method says so (vLLM 0.33 sets no workspace;
+    its Fp8LinearMethod has `use_marlin`, True when its kernel is the Marlin FP8
+    one, and that kernel's class names Marlin): an explicit `use_marlin = False` is
+    believed; or, with no statement, its tensors are exactly Marlin fp8's
+    (`_marlin_fp8_tensors`)."""
     if any(_get(obj, name) is not None for name in _MARLIN_MARKERS):
         return True
     method = _get(obj, "quant_method")
-    if method is None:
-        return False
-    if _get(method, "use_marlin") is True:
+    said = _get(method, "use_marlin") if method is not None else None
+    if isinstance(said, bool):
+        return said
+    kernel = _get(method, "fp8_linear") if method is not None else None
+    if kernel is not None and "marlin" in type(kernel).__name__.lower():
         return True
-    kernel = _get(method, "fp8_linear")
-    return kernel is not None and "marlin" in type(kernel).__name__.lower()
+    return _marlin_fp8_tensors(t)
 
 
 def _marlin(obj, t: dict[str, torch.Tensor], dt: torch.dtype, arg: str) -> W.MarlinFp8Weight:
@@ -390,7 +412,7 @@ def weight_format_from_module(module, params_dtype: torch.dtype | None = None, *
         return _nvfp4(module, t, weight, _model_dtype(module, params_dtype, arg, "NVFP4 (uint8) weights"), arg,
                       scale_layout)
     if wd == torch.int32:
-        if _states_vllm_marlin(module):
+        if _states_vllm_marlin(module, t):
             return _marlin(module, t, _model_dtype(module, params_dtype, arg, "Marlin-packed int32 weights"), arg)
         raise ValueError(f"{arg}.weight: int32 is a packed layout and the object does not say which (e.g. vLLM's "
                          "Marlin fp8 layer has a `workspace` attribute); for a vLLM Marlin fp8 layer call "
