@@ -115,6 +115,18 @@ def test_nvfp4_postload_layer_with_global_scale_and_padding(n, k):
     assert torch.equal(got.dequantize_fp32(), src.dequantize_fp32())
 
 
+def test_nvfp4_global_scale_marks_a_postload_layer_even_without_quant_method():
+    """Only vLLM's post-load layer has `weight_global_scale`: its scales may be swizzled,
+    so a bare object holding it must state the layout too (never read as linear)."""
+    src = W.Nvfp4Weight.from_dense(_randn(256, 512, seed=4), BF16)
+    bare = {"weight": src.weight, "weight_scale": W.swizzle_nvfp4_scales(src.weight_scale),
+            "weight_global_scale": src.weight_scale_2.reshape(()), "orig_dtype": BF16}
+    with pytest.raises(ValueError, match=r"scale_layout: module is a serving-engine layer .*weight_global_scale"):
+        weight_format_from_module(bare)
+    got = weight_format_from_module(bare, scale_layout="swizzled")
+    assert torch.equal(got.dequantize_fp32(), src.dequantize_fp32())
+
+
 def test_nvfp4_both_global_scales_is_refused():
     src = W.Nvfp4Weight.from_dense(_randn(64, 128, seed=1), BF16)
     ckpt = {"weight": src.weight, "weight_scale": src.weight_scale, "weight_scale_2": src.weight_scale_2,

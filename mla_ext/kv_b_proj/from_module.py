@@ -163,8 +163,10 @@ _SCALE_LAYOUT_ATTR = "weight_scale_layout"
 
 
 def _is_serving_layer(obj) -> bool:
-    """A serving engine's post-load layer: vLLM's linear layers carry `quant_method`."""
-    return _get(obj, "quant_method") is not None
+    """A serving engine's post-load layer: vLLM's linear layers carry `quant_method`,
+    and only vLLM's post-load NVFP4 layers hold `weight_global_scale` (a checkpoint
+    has `weight_scale_2`), so a bare object with it is one too."""
+    return _get(obj, "quant_method") is not None or _get(obj, "weight_global_scale") is not None
 
 
 def _stated_scale_layout(obj, scale_layout, arg: str) -> str | None:
@@ -184,8 +186,8 @@ def _require_stated(obj, layout: str | None, what: str, choices: tuple[str, ...]
     if layout is None:
         if _is_serving_layer(obj):
             raise ValueError(
-                f"scale_layout: {arg} is a serving-engine layer (it has `quant_method`, as vLLM's linear layers "
-                f"do), whose {what} scales may have been re-laid out after loading (vLLM swizzles NVFP4 block "
+                f"scale_layout: {arg} is a serving-engine layer (it has `quant_method` as vLLM's linear layers "
+                f"do, or vLLM's post-load `weight_global_scale`), whose {what} scales may have been re-laid out after loading (vLLM swizzles NVFP4 block "
                 "scales for CUTLASS, 128x4, keeping the checkpoint's shape at kv_b_proj sizes; some block-FP8 "
                 f"backends transpose or pad weight_scale_inv); state the layout, one of {choices}: pass "
                 f"scale_layout=... or set {arg}.{_SCALE_LAYOUT_ATTR}")
