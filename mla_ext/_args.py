@@ -2,6 +2,8 @@
 that names the argument and the value it expected (errors are part of the API)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -69,3 +71,17 @@ def check_tensor(value, arg: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{arg}: expected a torch.Tensor, got {type(value).__name__}")
     return value
+
+
+def env_switch(name: str, unset: str, unset_means: str) -> str:
+    """A tri-state opt-in variable: "on" (1/on/true/yes), "off" (0/off/false/no) or
+    `unset` when empty, unset or "auto"; any other value is a ValueError naming the
+    variable and saying what unset means (`unset_means`)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "auto"):
+        return unset
+    if value in ("1", "on", "true", "yes"):
+        return "on"
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    raise ValueError(f"{name}: expected 1/on, 0/off or unset ({unset_means}), got {value!r}")

@@ -81,3 +81,48 @@ def load_latent_rows(c_ptr, c32_ptr, c16_ptr, row, ok, k_scale, L: tl.constexpr,
             if BLOCK_R > 0:
                 pe = y.to(tl.float32)
     return kv, pe
+
+
+@triton.jit
+def latent_softmax_step(q, qp, kv, pe, key_ok, qk_scale_log2, m_i, l_i, acc, LOWP_DOT: tl.constexpr,
+                        IEEE_FP32: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One key tile of the latent MQA kernels (absorbed and sparse): scores of
+    [q | qp] against the decoded rows [kv | pe] (keys where not key_ok get -inf),
+    online softmax in base 2, acc += p @ kv. Returns the new (m_i, l_i, acc).
+    LOWP_DOT: kv/pe are first rounded to q's dtype (what a gathered workspace holds)."""
+    if LOWP_DOT:
+        kv = kv.to(q.dtype)
+        if BLOCK_R > 0:
+            pe = pe.to(q.dtype)
+    if IEEE_FP32:
+        s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+        if BLOCK_R > 0:
+            s += tl.dot(qp, tl.trans(pe), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kv))
+        if BLOCK_R > 0:
+            s += tl.dot(qp, tl.trans(pe))
+    s = tl.where(key_ok[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if LOWP_DOT:
+        acc += tl.dot(p.to(kv.dtype), kv)
+    elif IEEE_FP32:
+        acc += tl.dot(p, kv, input_precision="ieee")
+    else:
+        acc += tl.dot(p, kv)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def latent_softmax_finish(acc, m_i, l_i):
+    """(o, lse natural log) of the online softmax; a row without a key: o = 0, lse = -inf."""
+    has_key = l_i > 0.0
+    o = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    lse = tl.where(has_key, (m_i + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    return o, lse

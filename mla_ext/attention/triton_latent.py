@@ -50,7 +50,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the install
     TRITON_IMPORT_ERROR: str | None = str(_exc)
 else:
     TRITON_IMPORT_ERROR = None
-    from mla_ext.attention.latent_rows import load_latent_rows
+    from mla_ext.attention.latent_rows import latent_softmax_finish, latent_softmax_step, load_latent_rows
     from mla_ext.triton_fp8 import launch_guard
 
 LOG2E = 1.4426950408889634
@@ -141,39 +141,10 @@ if triton is not None:
             # (rows are contiguous: the launcher refuses other column strides)
             kv, pe = load_latent_rows(c_ptr, c32_ptr, c16_ptr, row, ok, k_scale, L, R, MODE, BLOCK_N, BLOCK_L,
                                       BLOCK_R)
-            if LOWP_DOT:
-                kv = kv.to(q.dtype)  # the rounding the gather's workspace would apply
-                if BLOCK_R > 0:
-                    pe = pe.to(q.dtype)
+            m_i, l_i, acc = latent_softmax_step(q, qp, kv, pe, n_mask, qk_scale_log2, m_i, l_i, acc, LOWP_DOT,
+                                                IEEE_FP32, BLOCK_R)
 
-            # -- scores, online softmax (base 2), accumulate p @ kv --
-            if IEEE_FP32:
-                s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-                if BLOCK_R > 0:
-                    s += tl.dot(qp, tl.trans(pe), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(kv))
-                if BLOCK_R > 0:
-                    s += tl.dot(qp, tl.trans(pe))
-            s = tl.where(n_mask[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            if LOWP_DOT:
-                acc += tl.dot(p.to(kv.dtype), kv)
-            elif IEEE_FP32:
-                acc += tl.dot(p, kv, input_precision="ieee")
-            else:
-                acc += tl.dot(p, kv)
-            m_i = m_new
-
-        has_key = l_i > 0.0
-        o = acc / tl.where(has_key, l_i, 1.0)[:, None]
-        lse = tl.where(has_key, (m_i + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
+        o, lse = latent_softmax_finish(acc, m_i, l_i)
         tl.store(o_ptr + sp * o_ss + tok_q[:, None] * o_st + head[:, None] * o_sh + cols[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=r_mask[:, None] & l_mask[None, :])
         tl.store(lse_ptr + sp * lse_ss + head * lse_sh + tok_q, lse, mask=r_mask)

@@ -49,15 +49,9 @@ _registered = False
 
 def mode() -> str:
     """'on', 'off' or 'allow-list' (unset: on iff SGLANG_PLUGINS names mla_ext); unknown values refused."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("", "auto"):
-        return "allow-list"
-    if value in ("1", "on", "true", "yes"):
-        return "on"
-    if value in ("0", "off", "false", "no"):
-        return "off"
-    raise ValueError(f"{ENV}: expected 1/on, 0/off or unset (on when {SGLANG_ALLOW_LIST_ENV} names "
-                     f"{PLUGIN_NAME}), got {value!r}")
+    from mla_ext._args import env_switch
+
+    return env_switch(ENV, "allow-list", f"on when {SGLANG_ALLOW_LIST_ENV} names {PLUGIN_NAME}")
 
 
 def enabled() -> bool:

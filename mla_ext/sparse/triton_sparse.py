@@ -27,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 else:
-    from mla_ext.attention.latent_rows import load_latent_rows
+    from mla_ext.attention.latent_rows import latent_softmax_finish, latent_softmax_step, load_latent_rows
     from mla_ext.triton_fp8 import launch_guard
 
 LOG2E = TL.LOG2E
@@ -95,37 +95,10 @@ if triton is not None:
                 pen = tl.load(npe_ptr + nrow[:, None] * npe_s + rc[None, :], mask=is_new[:, None] & rc_mask[None, :],
                               other=0.0).to(tl.float32)
                 pe = tl.where(is_new[:, None], pen, pe)
-            if LOWP_DOT:
-                kv = kv.to(q.dtype)
-                if BLOCK_R > 0:
-                    pe = pe.to(q.dtype)
-            if IEEE_FP32:
-                s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-                if BLOCK_R > 0:
-                    s += tl.dot(qp, tl.trans(pe), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(kv))
-                if BLOCK_R > 0:
-                    s += tl.dot(qp, tl.trans(pe))
-            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            if LOWP_DOT:
-                acc += tl.dot(p.to(kv.dtype), kv)
-            elif IEEE_FP32:
-                acc += tl.dot(p, kv, input_precision="ieee")
-            else:
-                acc += tl.dot(p, kv)
-            m_i = m_new
+            m_i, l_i, acc = latent_softmax_step(q, qp, kv, pe, valid, qk_scale_log2, m_i, l_i, acc, LOWP_DOT,
+                                                IEEE_FP32, BLOCK_R)
 
-        has_key = l_i > 0.0
-        o = acc / tl.where(has_key, l_i, 1.0)[:, None]
-        lse = tl.where(has_key, (m_i + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
+        o, lse = latent_softmax_finish(acc, m_i, l_i)
         tl.store(o_ptr + t * o_st + heads[:, None] * o_sh + cols[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=h_mask[:, None] & l_mask[None, :])
         tl.store(lse_ptr + heads * lse_sh + t, lse, mask=h_mask)

@@ -31,7 +31,6 @@ signature (mla_ext/vllm/_custom_ops.py). ``unroute_ops()`` restores vLLM's.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 BACKEND_NAME = "MLA_EXT"
@@ -57,14 +56,9 @@ _originals: dict[tuple[str, str], object] = {}
 
 def ops_mode() -> str:
     """'on', 'off' or 'with-backend' from MLA_EXT_VLLM_OPS (unknown values refused)."""
-    value = os.environ.get(OPS_ENV, "").strip().lower()
-    if value in ("", "auto"):
-        return "with-backend"
-    if value in ("1", "on", "true", "yes"):
-        return "on"
-    if value in ("0", "off", "false", "no"):
-        return "off"
-    raise ValueError(f"{OPS_ENV}: expected 1/on, 0/off or unset (route with the MLA_EXT backend), got {value!r}")
+    from mla_ext._args import env_switch
+
+    return env_switch(OPS_ENV, "with-backend", "route with the MLA_EXT backend")
 
 
 def register() -> None:
