@@ -54,6 +54,7 @@ from bench_common import RowLog, finish  # noqa: E402
 from bench_gather import Timer  # noqa: E402
 
 from mla_ext import dispatch as D  # noqa: E402
+from mla_ext.attention import triton_latent as TL  # noqa: E402
 from mla_ext.attention.api import varlen_attention  # noqa: E402
 from mla_ext.formats import get_format  # noqa: E402
 from mla_ext.kv_b_proj import weights as W  # noqa: E402
@@ -214,6 +215,9 @@ def measure_latent_rate(m, setup: "Setup", timer: Timer, log: RowLog, out: dict)
         lambda: A.latent_context_attention(q_lat, q_pe, setup.cache, setup.fmt, setup.batch0.block_table, cq, ck,
                                            starts, scale, 0.1, q_offsets=[0, T], ctx_offsets=[0, C])),
              log, kv_cache_dtype=setup.fmt)
+    if name in by_fmt and torch.device(device).type == "cuda":  # the tile it ran with (issue 19: say what it costs)
+        out.setdefault("latent_tile_by_format", {})[name] = TL.launch_config(
+            T * N, torch.bfloat16, torch.device(device), TL.cache_mode(setup.fmt), N)
     if by_fmt:
         out["latent_flops"] = by_fmt.get("fp8_ds_mla", max(by_fmt.values()))
     else:
@@ -253,6 +257,11 @@ def report(rows: list[dict], setups: dict, rates_now: AC.Rates, measured: dict) 
         lines.append(f"rates measured now: {meas.describe()}")
     else:
         lines.append(f"rates measured now: incomplete ({sorted(measured)})")
+    for fmt, tile in sorted(measured.get("latent_tile_by_format", {}).items()):
+        flops = measured.get("latent_flops_by_format", {}).get(fmt, math.nan)
+        gemm = measured.get("gemm_flops", math.nan)
+        lines.append(f"latent kernel {fmt}: tile (BLOCK_M, BLOCK_N, warps, stages) = {tuple(tile)}, "
+                     f"{flops / 1e12:.1f} TFLOP/s = {flops / gemm:.0%} of the kv_b_proj GEMM rate measured in this run")
     ok = [r for r in rows if r.get("status") == "ok"]
     summaries = []
     for fmt, s in setups.items():

@@ -33,14 +33,33 @@ def test_fp8_quantizer_refuses_a_forced_launch(monkeypatch):
     assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 1)
 
 
-@pytest.mark.parametrize("cap,smem,big", [((8, 0), 163 * KB, True), ((8, 6), 99 * KB, False),
-                                          ((8, 9), 99 * KB, False), ((9, 0), 227 * KB, True),
-                                          ((10, 0), 227 * KB, True), ((12, 0), 99 * KB, False)])
+@pytest.mark.parametrize("cap,smem,wgmma", [((8, 0), 163 * KB, False), ((8, 6), 99 * KB, False),
+                                            ((8, 9), 99 * KB, False), ((9, 0), 227 * KB, True),
+                                            ((9, 0), 99 * KB, False), ((10, 0), 227 * KB, False),
+                                            ((12, 0), 99 * KB, False), ((8, 6), 64 * KB, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_latent_tile_follows_shared_memory_not_capability(monkeypatch, cap, smem, big, dtype):
+@pytest.mark.parametrize("mode", [TL.MODE_DS_MLA, TL.MODE_NVFP4_DS_MLA])
+@pytest.mark.parametrize("heads", [1, 2, 3, 16, 128])
+def test_latent_tile_follows_the_mma_instruction_and_shared_memory(monkeypatch, cap, smem, wgmma, dtype, mode,
+                                                                    heads):
+    """64-row wgmma tiles only where wgmma exists (sm_90), the shared memory holds them and
+    they compile without spills (not nvfp4_ds_mla, not 1-2 heads per token); every tile a
+    device gets fits its measured opt-in shared memory (a 64 KB device gets the small tile,
+    an sm_90 limited to 99 KB the mma.sync one)."""
     monkeypatch.setattr(TL, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: SimpleNamespace(shared_memory_per_block_optin=smem))
-    got = TL.launch_config(64, dtype, torch.device("cuda", 0))
-    assert got == TL.GPU_CONFIGS[(dtype == torch.float32, big)]
+    got = TL.launch_config(64, dtype, torch.device("cuda", 0), mode, heads)
+    nvfp4 = mode == TL.MODE_NVFP4_DS_MLA
+    wgmma = wgmma and not nvfp4 and heads >= 3
+    if dtype == torch.float32:
+        assert got == TL.FP32_TILE  # 72 KB: every sm_80+ device has at least 99 KB
+    elif wgmma:
+        assert got == TL.WGMMA_TILE
+    elif smem < 99 * KB:
+        assert got == TL.SMALL_TILE
+    else:
+        assert got == (TL.MMA_TILE_NVFP4 if nvfp4 else TL.MMA_TILE)
+    if dtype != torch.float32:
+        assert TL.TILE_SMEM[got] <= smem

@@ -271,6 +271,31 @@ def test_triton_kernel_split_kv_and_offsets_match_the_torch_path(fmt):
         assert rel_fro(o, o_t) <= 1e-2, splits
 
 
+@pytest.mark.parametrize("fmt", ["auto", "fp8"])
+@pytest.mark.parametrize("L,R,N", [(256, 32, 3), (200, 0, 3), (384, 64, 3), (96, 16, 3), (96, 16, 80),
+                                   (64, 16, 16)], ids=str)
+def test_triton_kernel_latent_slices_and_head_blocks_cover_every_shape(fmt, L, R, N):
+    """The kernel decodes the latent in 128-column slices (1, 2 or 4 of them): widths that are
+    two slices (256), a partial last slice (200 -> 2, 384 -> 4 with one masked off), one
+    slice (96), and no rope part (R = 0). Its rows are tokens x heads padded to a power of
+    two: 3 heads (4-row groups), 80 (two 64-head blocks, the second 16/64 full), 16. All
+    equal the torch backend, every element written."""
+    cache, table, ks = _paged(fmt, [150, 37], L=L, R=R, seed=3)
+    q_off, c_off = [0, 4, 7], [0, 150, 187]
+    gen = torch.Generator().manual_seed(4)
+    q_lat = (torch.randn(N, 7, L, generator=gen) / math.sqrt(L)).bfloat16()
+    q_pe = torch.randn(7, N, R, generator=gen).bfloat16()
+    args = (q_lat, q_pe, cache, fmt, table, torch.tensor(q_off, dtype=torch.int32),
+            torch.tensor(c_off, dtype=torch.int32), None, ks, 0.2)
+    with A.LATENT.force("torch"):
+        o_t, l_t = A.latent_context_attention(*args, q_offsets=q_off, ctx_offsets=c_off)
+    o, lse = torch.full_like(o_t, float("nan")), torch.full_like(l_t, float("nan"))
+    TL.latent_attention_triton(*args, o, lse, 4, 150)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    assert torch.allclose(lse, l_t, atol=3e-3, rtol=0), (lse - l_t).abs().max()
+    assert rel_fro(o, o_t) <= 1e-2
+
+
 def test_out_of_range_block_ids_read_zero_rows_in_both_backends():
     """Unchecked bad ids: no read, zero rows that take part in the softmax (the
     gather's documented result), the same in the Triton kernel and the gather path."""
@@ -434,18 +459,35 @@ def sig(dt, cache_t):
                 c_blk=i32, c_ent=i32, bt_s0=i32, bt_s1=i32, o_ss=i32, o_st=i32, o_sh=i32, lse_ss=i32,
                 lse_sh=i32)
 
+# The tile each device gets (sm_86: 99 KB, mma.sync; sm_90: 227 KB, wgmma) for every decoder at
+# 16 heads: it fits the shared memory stated for it, and on sm_90 the 16-bit kernel's dots are
+# wgmma (nvfp4_ds_mla: mma.sync) with its cache-row loads pipelined (cp.async); fp32 keeps IEEE
+# FMA dots.
 for cc in (86, 90):
     for mode, dt, cache_t in ((TL.MODE_DS_MLA, "bf16", "u8"), (TL.MODE_NVFP4_DS_MLA, "bf16", "u8"),
+                              (TL.MODE_E4M3, "bf16", "u8"), (TL.MODE_NATIVE, "bf16", "bf16"),
                               (TL.MODE_NATIVE, "fp32", "fp32")):
-        bm, bn, warps, stages = TL.GPU_CONFIGS[(dt == "fp32", cc >= 90)]
+        tile = TL.gpu_config(dt == "fp32", (cc // 10, cc % 10) in TL.WGMMA_CAPABILITIES, SMEM[cc], mode, 16)
+        bm, bn, warps, stages = tile
         cfg = dict(L=512, R=64, MODE=mode, HAS_STARTS=True, LOWP_DOT=dt != "fp32", IEEE_FP32=dt == "fp32",
-                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=512, BLOCK_R=64)
+                   BLOCK_M=bm, BLOCK_H=16, BLOCK_N=bn, BLOCK_L=512, BLOCK_R=64, SLICE=TL.latent_slice(512))
         s = dict(sig(dt, cache_t), **{k: "constexpr" for k in cfg})
-        k = triton.compile(ASTSource(fn=TL._latent_attn_kernel, signature=s, constexprs=cfg),
+        params = list(sig(dt, cache_t))
+        aligned = [n for n in params if n.endswith("_ptr") or n in ("ql_st", "ql_sh", "qp_st", "qp_sh", "c_blk",
+                                                                    "c_ent", "o_st", "o_sh", "N", "block_size")]
+        attrs = {(params.index(n),): [["tt.divisibility", 16]] for n in aligned}  # what a real launch sees
+        k = triton.compile(ASTSource(fn=TL._latent_attn_kernel, signature=s, constexprs=cfg, attrs=attrs),
                            target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
-        assert k.metadata.shared <= SMEM[cc], (cc, mode, dt, k.metadata.shared)
+        ptx = k.asm["ptx"]
+        assert k.metadata.shared <= min(SMEM[cc], TL.TILE_SMEM[tile]), (cc, mode, dt, k.metadata.shared, tile)
         if cc < 89:  # sm_86 has no fp8 types: the loaders decode bytes with integer ops
-            assert "e4m3" not in k.asm["ptx"], (cc, mode)
+            assert "e4m3" not in ptx, (cc, mode)
+        if dt == "fp32":
+            assert "mma" not in ptx, (cc, mode)
+        elif cc == 90 and mode != TL.MODE_NVFP4_DS_MLA:
+            assert tile == TL.WGMMA_TILE and "wgmma.mma_async" in ptx and "cp.async" in ptx, (mode, tile)
+        else:
+            assert "mma.sync" in ptx and "wgmma" not in ptx and "cp.async" in ptx, (cc, mode, tile)
 print("AOT-OK")
 """
 

@@ -94,13 +94,25 @@ def _drive(seed: int = 0) -> None:
     q, v = torch.randn(7, N, 256, dtype=bf), torch.randn(7, N, 256, dtype=bf)
     triton_attention.varlen_attention_triton(q, q, v, cu, cu, 4, 0.1, True, torch.empty_like(v), torch.empty(N, 7))
     # The latent kernel's other decoders (and fp32), one batch each.
-    for fmt, dt in (("nvfp4_ds_mla", bf), ("fp8", bf), ("auto", bf), ("fp8_ds_mla", torch.float32)):
+    for fmt, dt in (("nvfp4_ds_mla", bf), ("fp8", bf), ("fp8_e5m2", bf), ("auto", bf), ("fp8_ds_mla", torch.float32)):
         cache, ks = make_cache(fmt, 32, 16, 512, 64, bf, gen=g)
         bt, cuk, starts = make_batch(rng, 2, 32, 16, 3, lens=[5, 9])
         cu = torch.tensor([0, 3, 7], dtype=torch.int32)
         triton_latent.latent_attention_triton(
             torch.randn(7, N, 512, dtype=dt).transpose(0, 1), torch.randn(7, N, 64, dtype=dt), cache, fmt,
             bt, cu, cuk, starts, ks, 0.1, torch.empty(7, N, 512, dtype=dt).transpose(0, 1), torch.empty(N, 7), 4, 16)
+    # Every head block (BLOCK_H = N rounded up to a power of two, at most BLOCK_M) the tiles
+    # take: 1, 2 (mma.sync on every device), 8, 16 (DeepSeek TP8), 32 and 64 (TP1: 128 heads),
+    # with N = 4 above; in every 16-bit decoder.
+    for heads in (1, 2, 8, 16, 32, 128):
+        for fmt in ("fp8_ds_mla", "nvfp4_ds_mla", "fp8", "fp8_e5m2", "auto"):
+            cache, ks = make_cache(fmt, 32, 16, 512, 64, bf, gen=g)
+            bt, cuk, starts = make_batch(rng, 2, 32, 16, 3, lens=[5, 9])
+            cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+            triton_latent.latent_attention_triton(
+                torch.randn(7, heads, 512, dtype=bf).transpose(0, 1), torch.randn(7, heads, 64, dtype=bf), cache,
+                fmt, bt, cu, cuk, starts, ks, 0.1, torch.empty(7, heads, 512, dtype=bf).transpose(0, 1),
+                torch.empty(heads, 7), 4, 16)
     # kv_b_proj kernels: M varies.
     K, Nw = 512, 256
     w4 = torch.randint(0, 255, (Nw, K // 2), dtype=torch.uint8)
@@ -165,9 +177,9 @@ def _gpu_paths(cc: int = 90) -> None:
     triton_gather._interpreting = lambda: False
     triton_gather._hw_fp8 = lambda device: cc >= 89
     triton_latent.interpreting = lambda: False
-    big = cc >= 90  # sm_90: 227 KB of shared memory per block; sm_86: 99 KB
-    triton_latent.launch_config = lambda rows, dtype, device: triton_latent.GPU_CONFIGS[
-        (dtype == torch.float32, big)]
+    smem = 227 * 1024 if cc >= 90 else 99 * 1024  # opt-in shared memory per block, sm_90 / sm_86
+    triton_latent.launch_config = lambda rows, dtype, device, mode=0, heads=16: triton_latent.gpu_config(
+        dtype == torch.float32, (cc // 10, cc % 10) in triton_latent.WGMMA_CAPABILITIES, smem, mode, heads)
 
 
 def record_launches(cc: int = 90) -> list[tuple[JITFunction, tuple, dict]]:

@@ -1,6 +1,7 @@
-"""The Triton loader that decodes latent cache rows of every format, shared by the absorbed
-context kernel (triton_latent.py: a contiguous range of a request's context) and the sparse
-kernel (mla_ext/sparse/triton_sparse.py: a per-query list of token positions).
+"""The Triton loaders that decode latent cache rows of every format: load_latent_slice /
+load_latent_pe (128 latent columns at a time, the absorbed context kernel, triton_latent.py)
+and load_latent_rows (a whole tile, the sparse kernel, mla_ext/sparse/triton_sparse.py,
+with its online-softmax step and finish below).
 
 `row` is each token's element offset into the cache (block * block stride + slot * entry
 stride, in the cache's element type) and `ok` whether the token may be read; rows not ok
@@ -84,6 +85,19 @@ def load_latent_rows(c_ptr, c32_ptr, c16_ptr, row, ok, k_scale, L: tl.constexpr,
 
 
 @triton.jit
+def online_softmax(s, key_ok, qk_scale_log2, m_i, l_i):
+    """One key tile of an online softmax in base 2: raw scores s [M, N] (keys where not
+    key_ok get -inf) against the running max m_i and sum l_i. Returns (p, alpha, m_new,
+    l_new): p the tile's unnormalised probabilities, alpha the factor for what came before."""
+    s = tl.where(key_ok[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def latent_softmax_step(q, qp, kv, pe, key_ok, qk_scale_log2, m_i, l_i, acc, LOWP_DOT: tl.constexpr,
                         IEEE_FP32: tl.constexpr, BLOCK_R: tl.constexpr):
     """One key tile of the latent MQA kernels (absorbed and sparse): scores of
@@ -102,12 +116,7 @@ def latent_softmax_step(q, qp, kv, pe, key_ok, qk_scale_log2, m_i, l_i, acc, LOW
         s = tl.dot(q, tl.trans(kv))
         if BLOCK_R > 0:
             s += tl.dot(qp, tl.trans(pe))
-    s = tl.where(key_ok[None, :], s * qk_scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax(s, key_ok, qk_scale_log2, m_i, l_i)
     acc = acc * alpha[:, None]
     if LOWP_DOT:
         acc += tl.dot(p.to(kv.dtype), kv)
@@ -126,3 +135,68 @@ def latent_softmax_finish(acc, m_i, l_i):
     lse = tl.where(has_key, (m_i + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     return o, lse
+
+
+# -- the same decoders, one slice of the latent at a time ---------------------------------
+#
+# The absorbed kernel decodes a KV tile SLICE columns at a time (issue 19): decoding the
+# whole [BLOCK_N, 512] tile at once kept every byte, code and fp32 value of it live together
+# (255 registers and ~450 B spilled per thread for fp8_ds_mla / nvfp4_ds_mla), and left no
+# room for a wgmma-sized query tile. A slice is decoded, rounded to the compute dtype and
+# handed to the dots; only one slice's temporaries are ever live.
+
+
+@triton.jit
+def load_latent_slice(c_ptr, c32_ptr, row, ok, k_scale, J: tl.constexpr, L: tl.constexpr, MODE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SLICE: tl.constexpr):
+    """Columns [J * SLICE, (J + 1) * SLICE) of the tile's latent rows, fp32 [BLOCK_N, SLICE].
+    DS_MLA / NVFP4_DS_MLA need SLICE to divide 128 / be a multiple of 16 (the launcher's 128)."""
+    cols = J * SLICE + tl.arange(0, SLICE)
+    ok2 = ok[:, None]
+    if MODE == 3:
+        byte = tl.load(c_ptr + row[:, None] + cols[None, :], mask=ok2, other=0)
+        # The slice lies in one 128-value tile: one fp32 scale per row (4-byte view).
+        sc = tl.load(c32_ptr + row // 4 + 128 + (J * SLICE) // 128, mask=ok, other=0.0)
+        kv = tl.where(ok2, e4m3_to_f32(byte.to(tl.int32)) * sc[:, None], 0.0)
+    elif MODE == 4:
+        # SLICE / 2 bytes of e2m1 pairs (value 2j in the low nibble of byte j) ...
+        byte = tl.load(c_ptr + row[:, None] + (J * SLICE // 2 + tl.arange(0, SLICE // 2))[None, :], mask=ok2,
+                       other=0).to(tl.int32)
+        vals = tl.reshape(tl.join(e2m1_to_f32(byte & 0xF), e2m1_to_f32(byte >> 4)), (BLOCK_N, SLICE // 16, 16))
+        # ... times the e4m3 scales of their 16-value blocks, at their permuted bytes.
+        g = J * SLICE // 16 + tl.arange(0, SLICE // 16)
+        sb = tl.load(c_ptr + row[:, None] + (320 + 8 * (g & 3) + (g >> 2))[None, :], mask=ok2, other=0)
+        kv = tl.reshape(vals * e4m3_to_f32(sb.to(tl.int32))[:, :, None], (BLOCK_N, SLICE))
+        kv = tl.where(ok2, kv, 0.0)
+    else:
+        x = tl.load(c_ptr + row[:, None] + cols[None, :], mask=ok2 & (cols < L)[None, :], other=0)
+        kv = _per_tensor(x, ok2, k_scale, MODE)
+    return kv
+
+
+@triton.jit
+def load_latent_pe(c_ptr, c16_ptr, row, ok, k_scale, L: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    """The tile's rope keys k_pe, fp32 [BLOCK_N, BLOCK_R] (BLOCK_R > 0)."""
+    rc = tl.arange(0, BLOCK_R)
+    m = ok[:, None] & (rc < R)[None, :]
+    if MODE == 3:
+        pe = tl.load(c16_ptr + (row // 2)[:, None] + (264 + rc)[None, :], mask=m, other=0.0).to(tl.float32)
+    elif MODE == 4:
+        pb = tl.load(c_ptr + row[:, None] + (256 + rc)[None, :], mask=m, other=0)
+        pe = tl.where(m, e4m3_to_f32(pb.to(tl.int32)), 0.0)
+    else:
+        pe = _per_tensor(tl.load(c_ptr + row[:, None] + (L + rc)[None, :], mask=m, other=0), m, k_scale, MODE)
+    return pe
+
+
+@triton.jit
+def _per_tensor(x, ok, k_scale, MODE: tl.constexpr):
+    """Native / per-tensor fp8 cache values -> fp32 (rows not ok: 0)."""
+    if MODE == 1:
+        v = tl.where(ok, e4m3_to_f32(x.to(tl.int32)) * k_scale, 0.0)
+    elif MODE == 2:
+        v = tl.where(ok, e5m2_to_f32(x.to(tl.int32)) * k_scale, 0.0)
+    else:
+        v = x.to(tl.float32)
+    return v

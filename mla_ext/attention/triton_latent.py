@@ -5,18 +5,23 @@ context token, the cached latent itself: q = [q_lat | q_pe] (Dqk = L + R),
 k = [kv_c | k_pe], v = kv_c (Dv = L). See mla_ext/prefill/absorbed.py for
 the algebra and mla_ext/prefill/absorbed_reference.py for the reference.
 
-One program takes BLOCK_M rows of one request's (query, head) pairs (row =
-token * N + head: all heads of a query side by side, since they share every
-key) and walks a range of that request's context in BLOCK_N-token tiles. Each
-tile's rows are found through the block table and DECODED IN THE LOADER (a
-constexpr MODE, the same decoders as the cache gather, mla_ext/triton_fp8.py),
-so nothing is gathered into a workspace:
+One program takes BLOCK_M (query, head) rows of one request: BLOCK_M // BLOCK_H
+query tokens x BLOCK_H heads (N rounded up to a power of two; head blocks when N
+is larger), all heads of a token side by side since they share every key, and
+walks a range of that request's context in BLOCK_N-token tiles. Each tile's rows
+are found through the block table and DECODED IN THE LOADER, 128 latent columns
+at a time (mla_ext/attention/latent_rows.py: load_latent_slice, the same
+decoders as the cache gather, mla_ext/triton_fp8.py), so nothing is gathered
+into a workspace and only one slice's decode is live at once:
 
   NATIVE        bf16 / fp16 / fp32 rows [kv_c | k_pe]
   E4M3 / E5M2   per-tensor fp8 bytes x k_scale (an invalid scale gives NaN, as the gather)
   DS_MLA        fp8_ds_mla: 4 x 128 e4m3 x their fp32 tile scale; 64 bf16 k_pe
   NVFP4_DS_MLA  nvfp4_ds_mla: e2m1 nibbles x the e4m3 scale of their 16-value
                 block (at its permuted byte); 64 e4m3 k_pe
+
+On sm_90 a program is 64 rows, one wgmma M, and Triton pipelines the cache-row
+loads (cp.async, 2 stages); elsewhere 32 rows of mma.sync (GPU tiles below).
 
 A token outside the cache (a block id outside [0, num_blocks), a logical block
 past the table width) reads nothing and is a zero row, which takes part in the
@@ -50,7 +55,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the install
     TRITON_IMPORT_ERROR: str | None = str(_exc)
 else:
     TRITON_IMPORT_ERROR = None
-    from mla_ext.attention.latent_rows import latent_softmax_finish, latent_softmax_step, load_latent_rows
+    from mla_ext.attention.latent_rows import load_latent_pe, load_latent_slice, online_softmax
     from mla_ext.triton_fp8 import launch_guard
 
 LOG2E = 1.4426950408889634
@@ -70,8 +75,48 @@ def interpreting() -> bool:
 
 if triton is not None:
 
+    @triton.jit
+    def _tile_rows(n0, kv_hi, start, b, bt_ptr, bt_s0, bt_s1, num_blocks, block_size, max_blocks, c_blk, c_ent,
+                   BLOCK_N: tl.constexpr):
+        """The KV tile at context position n0: (in range, element offset of each token's
+        cache entry, readable). A token outside the cache reads nothing (a zero row)."""
+        j = n0 + tl.arange(0, BLOCK_N)
+        n_mask = j < kv_hi
+        tok = start + j
+        lblk = tl.where(tok >= 0, tok // block_size, -1)
+        in_table = n_mask & (lblk >= 0) & (lblk < max_blocks)
+        lblk = tl.where(in_table, lblk, 0).to(tl.int64)
+        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + lblk * bt_s1, mask=in_table, other=-1)
+        ok = in_table & (blk >= 0) & (blk < num_blocks)
+        blk = tl.where(ok, blk, 0).to(tl.int64)
+        slot = tl.where(ok, tok % block_size, 0).to(tl.int64)
+        return n_mask, blk * c_blk + slot * c_ent, ok
+
+    @triton.jit
+    def _mm(a, b, IEEE_FP32: tl.constexpr):
+        if IEEE_FP32:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _load_q(ptr, tok_q, head, st, sh, r_mask, c0, n_cols, WIDTH: tl.constexpr, LOWP_DOT: tl.constexpr):
+        cols = c0 + tl.arange(0, WIDTH)
+        x = tl.load(ptr + tok_q[:, None] * st + head[:, None] * sh + cols[None, :],
+                    mask=r_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
+        if not LOWP_DOT:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _decoded(c_ptr, c32_ptr, row, ok, k_scale, J: tl.constexpr, L: tl.constexpr, MODE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SLICE: tl.constexpr, dtype: tl.constexpr):
+        """Slice J of the tile, decoded and rounded to the dots' dtype (what a gathered
+        workspace would hold)."""
+        return load_latent_slice(c_ptr, c32_ptr, row, ok, k_scale, J, L, MODE, BLOCK_N, SLICE).to(dtype)
+
+    # batch-varying: no re-compile; N: one compile serves every head count of a BLOCK_H
     # register budget: 255
-    @triton.jit(do_not_specialize=["max_blocks", "split_len", "bt_s0", "o_ss", "lse_ss", "lse_sh"])  # batch-varying: no re-compile
+    @triton.jit(do_not_specialize=["max_blocks", "split_len", "bt_s0", "o_ss", "lse_ss", "lse_sh", "N"])
     def _latent_attn_kernel(
         ql_ptr, qp_ptr, c_ptr, c32_ptr, c16_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, st_ptr, ks_ptr,
         o_ptr, lse_ptr,
@@ -80,37 +125,50 @@ if triton is not None:
         o_ss, o_st, o_sh, lse_ss, lse_sh,
         L: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, HAS_STARTS: tl.constexpr,
         LOWP_DOT: tl.constexpr, IEEE_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+        BLOCK_R: tl.constexpr, SLICE: tl.constexpr,
     ):
+        # A program's BLOCK_M rows are BLOCK_M // BLOCK_H query tokens x BLOCK_H heads
+        # (BLOCK_H = N rounded up to a power of two, at most BLOCK_M; head blocks along
+        # grid[0] when N is larger): the row -> (token, head) split is constant shifts the
+        # compiler redoes after the loop. Rows as token * N + head with a runtime N (or a
+        # runtime shift) kept every row's int64 offsets live across the loop (40-240 B
+        # spilled at 64 rows on sm_90a).
+        # The latent is handled in BLOCK_L // SLICE (1, 2 or 4) slices of SLICE columns:
+        # query q_j, decoded keys kv_j and accumulator acc_j per slice, so a KV tile is
+        # decoded one slice at a time and no [BLOCK_N, BLOCK_L] fp32 tile ever exists.
+        tl.static_assert(BLOCK_L == SLICE or BLOCK_L == 2 * SLICE or BLOCK_L == 4 * SLICE)
         pid_m = tl.program_id(0)
         b = tl.program_id(1)
         sp = tl.program_id(2)
+        head_blocks = tl.cdiv(N, BLOCK_H)
+        t_blk = pid_m // head_blocks
+        tokens: tl.constexpr = BLOCK_M // BLOCK_H
         q0 = tl.load(cu_q_ptr + b).to(tl.int64)
         q_len = tl.load(cu_q_ptr + b + 1).to(tl.int64) - q0
         k_len = tl.load(cu_k_ptr + b + 1) - tl.load(cu_k_ptr + b)
-        row0 = pid_m * BLOCK_M
-        if row0 >= q_len * N:
+        if t_blk * tokens >= q_len:
             return
         kv_lo = sp * split_len
         kv_hi = tl.minimum(k_len, kv_lo + split_len)
 
-        rows = row0 + tl.arange(0, BLOCK_M)
-        r_mask = rows < q_len * N
-        tok_q = q0 + rows // N  # int64 query row of the batch
-        head = (rows % N).to(tl.int64)
-        cols = tl.arange(0, BLOCK_L)
-        l_mask = cols < L
-        q = tl.load(ql_ptr + tok_q[:, None] * ql_st + head[:, None] * ql_sh + cols[None, :],
-                    mask=r_mask[:, None] & l_mask[None, :], other=0.0)
-        if not LOWP_DOT:
-            q = q.to(tl.float32)
+        r = tl.arange(0, BLOCK_M)
+        t = t_blk * tokens + r // BLOCK_H
+        head = ((pid_m - t_blk * head_blocks) * BLOCK_H + r % BLOCK_H).to(tl.int64)
+        r_mask = (t < q_len) & (head < N)
+        tok_q = q0 + t  # int64 query row of the batch
+        if LOWP_DOT:
+            dt = ql_ptr.dtype.element_ty
+        else:
+            dt = tl.float32
+        qa = _load_q(ql_ptr, tok_q, head, ql_st, ql_sh, r_mask, 0, L, SLICE, LOWP_DOT)
+        if BLOCK_L > SLICE:
+            qb = _load_q(ql_ptr, tok_q, head, ql_st, ql_sh, r_mask, SLICE, L, SLICE, LOWP_DOT)
+        if BLOCK_L > 2 * SLICE:
+            qc = _load_q(ql_ptr, tok_q, head, ql_st, ql_sh, r_mask, 2 * SLICE, L, SLICE, LOWP_DOT)
+            qd = _load_q(ql_ptr, tok_q, head, ql_st, ql_sh, r_mask, 3 * SLICE, L, SLICE, LOWP_DOT)
         if BLOCK_R > 0:
-            rc = tl.arange(0, BLOCK_R)
-            rc_mask = rc < R
-            qp = tl.load(qp_ptr + tok_q[:, None] * qp_st + head[:, None] * qp_sh + rc[None, :],
-                         mask=r_mask[:, None] & rc_mask[None, :], other=0.0)
-            if not LOWP_DOT:
-                qp = qp.to(tl.float32)
+            qp = _load_q(qp_ptr, tok_q, head, qp_st, qp_sh, r_mask, 0, R, BLOCK_R, LOWP_DOT)
         start = 0
         if HAS_STARTS:
             start = tl.load(st_ptr + b)
@@ -122,32 +180,55 @@ if triton is not None:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
+        acc_a = tl.zeros([BLOCK_M, SLICE], tl.float32)
+        acc_b = tl.zeros([BLOCK_M, SLICE], tl.float32)
+        acc_c = tl.zeros([BLOCK_M, SLICE], tl.float32)
+        acc_d = tl.zeros([BLOCK_M, SLICE], tl.float32)
         for n0 in range(kv_lo, kv_hi, BLOCK_N):
-            j = n0 + offs_n
-            n_mask = j < kv_hi
-            tok = start + j
-            lblk = tl.where(tok >= 0, tok // block_size, -1)
-            in_table = n_mask & (lblk >= 0) & (lblk < max_blocks)
-            lblk = tl.where(in_table, lblk, 0).to(tl.int64)
-            blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + lblk * bt_s1, mask=in_table, other=-1)
-            ok = in_table & (blk >= 0) & (blk < num_blocks)
-            blk = tl.where(ok, blk, 0).to(tl.int64)
-            slot = tl.where(ok, tok % block_size, 0).to(tl.int64)
-            row = blk * c_blk + slot * c_ent  # element offset of the token's entry
+            n_mask, row, ok = _tile_rows(n0, kv_hi, start, b, bt_ptr, bt_s0, bt_s1, num_blocks,
+                                                   block_size, max_blocks, c_blk, c_ent, BLOCK_N)
+            # scores, one latent slice at a time (rows are contiguous: the launcher refuses
+            # other column strides)
+            kv_a = _decoded(c_ptr, c32_ptr, row, ok, k_scale, 0, L, MODE, BLOCK_N, SLICE, dt)
+            s = _mm(qa, tl.trans(kv_a), IEEE_FP32)
+            if BLOCK_L > SLICE:
+                kv_b = _decoded(c_ptr, c32_ptr, row, ok, k_scale, 1, L, MODE, BLOCK_N, SLICE, dt)
+                s += _mm(qb, tl.trans(kv_b), IEEE_FP32)
+            if BLOCK_L > 2 * SLICE:
+                kv_c = _decoded(c_ptr, c32_ptr, row, ok, k_scale, 2, L, MODE, BLOCK_N, SLICE, dt)
+                s += _mm(qc, tl.trans(kv_c), IEEE_FP32)
+                kv_d = _decoded(c_ptr, c32_ptr, row, ok, k_scale, 3, L, MODE, BLOCK_N, SLICE, dt)
+                s += _mm(qd, tl.trans(kv_d), IEEE_FP32)
+            if BLOCK_R > 0:
+                pe = load_latent_pe(c_ptr, c16_ptr, row, ok, k_scale, L, R, MODE, BLOCK_R).to(dt)
+                s += _mm(qp, tl.trans(pe), IEEE_FP32)
+            p, alpha, m_i, l_i = online_softmax(s, n_mask, qk_scale_log2, m_i, l_i)
+            p = p.to(dt)
+            acc_a = acc_a * alpha[:, None] + _mm(p, kv_a, IEEE_FP32)
+            if BLOCK_L > SLICE:
+                acc_b = acc_b * alpha[:, None] + _mm(p, kv_b, IEEE_FP32)
+            if BLOCK_L > 2 * SLICE:
+                acc_c = acc_c * alpha[:, None] + _mm(p, kv_c, IEEE_FP32)
+                acc_d = acc_d * alpha[:, None] + _mm(p, kv_d, IEEE_FP32)
 
-            # -- the tile's latent rows kv [BLOCK_N, BLOCK_L] and k_pe [BLOCK_N, BLOCK_R], fp32 --
-            # (rows are contiguous: the launcher refuses other column strides)
-            kv, pe = load_latent_rows(c_ptr, c32_ptr, c16_ptr, row, ok, k_scale, L, R, MODE, BLOCK_N, BLOCK_L,
-                                      BLOCK_R)
-            m_i, l_i, acc = latent_softmax_step(q, qp, kv, pe, n_mask, qk_scale_log2, m_i, l_i, acc, LOWP_DOT,
-                                                IEEE_FP32, BLOCK_R)
-
-        o, lse = latent_softmax_finish(acc, m_i, l_i)
-        tl.store(o_ptr + sp * o_ss + tok_q[:, None] * o_st + head[:, None] * o_sh + cols[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=r_mask[:, None] & l_mask[None, :])
+        has_key = l_i > 0.0
+        inv = 1.0 / tl.where(has_key, l_i, 1.0)
+        lse = tl.where(has_key, (m_i + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        o_row = o_ptr + sp * o_ss + tok_q[:, None] * o_st + head[:, None] * o_sh
+        _store_o(o_row, acc_a, inv, r_mask, 0, L, SLICE)
+        if BLOCK_L > SLICE:
+            _store_o(o_row, acc_b, inv, r_mask, SLICE, L, SLICE)
+        if BLOCK_L > 2 * SLICE:
+            _store_o(o_row, acc_c, inv, r_mask, 2 * SLICE, L, SLICE)
+            _store_o(o_row, acc_d, inv, r_mask, 3 * SLICE, L, SLICE)
         tl.store(lse_ptr + sp * lse_ss + head * lse_sh + tok_q, lse, mask=r_mask)
+
+    @triton.jit
+    def _store_o(o_row, acc, inv, r_mask, c0, L: tl.constexpr, SLICE: tl.constexpr):
+        cols = c0 + tl.arange(0, SLICE)
+        tl.store(o_row + cols[None, :], (acc * inv[:, None]).to(o_row.dtype.element_ty),
+                 mask=r_mask[:, None] & (cols < L)[None, :])
 
 
 def cache_mode(kv_cache_dtype: str) -> int:
@@ -167,39 +248,83 @@ def _pad(d: int) -> int:
 
 
 # Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages). Interpreter: it pays per
-# program, so few big ones. GPU: the accumulator is [BLOCK_M, L] fp32 and the
-# decoded tile [BLOCK_N, L]; measured by compiling ahead of time for L = 512,
-# R = 64 (triton 3.8, ptxas -v; tests/test_ptxas_budget.py compiles every config
-# the launcher picks and tests/test_prefill_absorbed.py checks the shared memory).
-# 16-bit: 16 x 32 on 8 warps, one stage: no spills in any decoder (native, fp8,
-# fp8_ds_mla, nvfp4_ds_mla; 170-250 registers, 84-88 KB, fits sm_86's 99 KB). The
-# earlier 32 x 32 (sm_90) / 32 x 16 (sm_86) spilled 424-504 B per thread in the
-# fp8_ds_mla / nvfp4_ds_mla decoders (issue 19); 16 rows decode each KV tile for
-# half as many query rows, a cost to weigh on a GPU against the spills
-# (benchmarks/bench_absorbed.py). fp32: 16 x 16 (74 KB, no spills). A wider,
-# wgmma-sized BLOCK_M needs the latent decoded in slices (not done yet).
-GPU_CONFIGS = {  # (dtype is fp32, the device has BIG_SMEM bytes per block) -> config
-    (False, True): (16, 32, 8, 1),
-    (False, False): (16, 32, 8, 1),
-    (True, True): (16, 16, 8, 1),
-    (True, False): (16, 16, 8, 1),
-}
-# Configs needing more than 99 KB of shared memory (none now) go to the devices
-# whose measured opt-in limit per block allows them (sm_80: 163 KB, sm_90: 227 KB;
-# sm_86, sm_89 and sm_120: 99 KB), never by capability (sm_120 is "newer" but has 99 KB).
-BIG_SMEM = 110 * 1024
-MAX_BLOCK_L = 512  # the widest latent tile the configs above were checked for
+# program, so few big ones. GPU: measured by compiling ahead of time for L = 512,
+# R = 64 with ptxas -v, Triton 3.8 and 3.6 alike (tests/test_ptxas_budget.py compiles
+# every config the launcher picks and fails on any spill; tests/test_prefill_absorbed.py
+# checks the shared memory and the instructions). The latent is decoded in 128-column
+# slices, so a tile's live state is the accumulator [BLOCK_M, 512] fp32 plus one slice:
+#
+#   WGMMA_TILE  sm_90: 64 query rows = one wgmma M, 8 warps (two warpgroups split each dot's
+#               N), 2 stages: Triton pipelines the cache-row loads with cp.async. 241-255
+#               registers, no spills in any decoder; 118-144 KB of shared memory.
+#   MMA_TILE    mma.sync devices (sm_80/86/89/120, and sm_100 until checked there): 32 rows,
+#               2 stages; 168-246 registers, 74-97 KB (fits sm_86's 99 KB).
+#   MMA_TILE_NVFP4  the e2m1 decoder on mma.sync: 16 rows (32 x 32 and 32 x 16 spilled
+#               4-48 B under Triton 3.6); 164-191 registers, 68 KB.
+#   SMALL_TILE  any device whose opt-in shared memory holds none of the above: 58 KB.
+#   FP32_TILE   fp32 queries (IEEE fp32 FMA dots): 16 x 16, 72 KB, 224-234 registers.
+#
+# Before the slices (issue 19) the whole [BLOCK_N, 512] tile was decoded at once: 32-row
+# tiles spilled 424-504 B per thread in the fp8_ds_mla / nvfp4_ds_mla decoders and the
+# kernel fell back to 16 rows, one stage, mma.sync on every device.
+WGMMA_TILE = (64, 32, 8, 2)
+MMA_TILE = (32, 32, 8, 2)
+MMA_TILE_NVFP4 = (16, 32, 8, 2)
+SMALL_TILE = (16, 32, 8, 1)
+FP32_TILE = (16, 16, 8, 1)
+# The most shared memory each tile takes over the cache formats (bytes, Triton 3.8 and 3.6,
+# sm_86 / sm_90a): a device gets a tile only if its measured opt-in limit per block
+# (shared_memory_per_block_optin) holds it, never by capability (sm_120 is "newer" than
+# sm_90 but has sm_86's 99 KB).
+TILE_SMEM = {WGMMA_TILE: 147456, MMA_TILE: 98944, MMA_TILE_NVFP4: 69760, SMALL_TILE: 59392, FP32_TILE: 73728}
+# The instruction decides the MMA: wgmma exists on sm_90a only (Triton compiles 64-row dots
+# there to wgmma, elsewhere to mma.sync, whose register-held query slices spill at 64 rows:
+# 652 B on sm_80; sm_100's tcgen05 is unchecked).
+WGMMA_CAPABILITIES = ((9, 0),)
+# ... and only where every variant compiles without spills under Triton 3.6 as well as 3.8:
+# not for nvfp4_ds_mla (its e2m1 decoder spilled 20-224 B at 64 rows under 3.6) nor for one
+# or two heads per token (BLOCK_H 1-2: 8-76 B under 3.6); those take the mma.sync tiles.
+WGMMA_MIN_HEADS = 3
+SLICE_COLS = 128
+MAX_BLOCK_L = 4 * SLICE_COLS  # the widest latent tile the configs above were checked for
 # Split-KV: aim for this many programs per SM, and no split shorter than this.
 PROGRAMS_PER_SM, MIN_SPLIT_TOKENS = 2, 256
 
 
-def launch_config(max_rows: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+def latent_slice(L: int) -> int:
+    """Columns of the latent decoded at a time: 128 (one fp8_ds_mla tile), or the whole
+    padded latent when it is narrower."""
+    return min(_pad(L), SLICE_COLS)
+
+
+def gpu_config(fp32: bool, wgmma: bool, smem_optin: int, mode: int, heads: int) -> tuple[int, int, int, int]:
+    """The tile for a device (does it have wgmma, its opt-in shared memory per block), a
+    cache format and a head count: the first candidate whose shared memory fits."""
+    if fp32:
+        candidates = [FP32_TILE]  # 72 KB: every sm_80+ device has at least 99 KB
+    else:
+        candidates = [WGMMA_TILE] if wgmma and mode != MODE_NVFP4_DS_MLA and heads >= WGMMA_MIN_HEADS else []
+        candidates += [MMA_TILE_NVFP4 if mode == MODE_NVFP4_DS_MLA else MMA_TILE, SMALL_TILE]
+    for cfg in candidates:
+        if TILE_SMEM[cfg] <= smem_optin:
+            return cfg
+    return candidates[-1]
+
+
+def head_block(heads: int, block_m: int) -> int:
+    """BLOCK_H: the heads of one token in a program, N rounded up to a power of two (at most BLOCK_M)."""
+    return min(triton.next_power_of_2(max(heads, 1)), block_m)
+
+
+def launch_config(max_rows: int, dtype: torch.dtype, device: torch.device, mode: int = MODE_NATIVE,
+                  heads: int = 16) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `max_rows` (query, head) rows."""
     if interpreting() or device.type != "cuda":
         return max(16, min(64, triton.next_power_of_2(max(max_rows, 1)))), 64, 4, 1
-    # One config per dtype and device, whatever the rows (one compile per cache format).
-    big = torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= BIG_SMEM
-    return GPU_CONFIGS[(dtype == torch.float32, big)]
+    # One config per dtype, device, cache format and head count, whatever the rows.
+    smem = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    wgmma = tuple(torch.cuda.get_device_capability(device)) in WGMMA_CAPABILITIES
+    return gpu_config(dtype == torch.float32, wgmma, smem, mode, heads)
 
 
 def num_splits(programs: int, max_ctx: int, device: torch.device, block_n: int) -> tuple[int, int]:
@@ -291,8 +416,9 @@ def latent_attention_triton(
     if bt.shape[1] == 0:
         bt = torch.full((num_reqs, 1), -1, dtype=torch.int32, device=q_lat.device)
     dtype = q_lat.dtype
-    block_m, block_n, warps, stages = launch_config(max_query_len * N, dtype, q_lat.device)
-    m_tiles = triton.cdiv(max_query_len * N, block_m)
+    block_m, block_n, warps, stages = launch_config(max_query_len * N, dtype, q_lat.device, mode, N)
+    block_h = head_block(N, block_m)
+    m_tiles = triton.cdiv(max_query_len, block_m // block_h) * triton.cdiv(N, block_h)
     if splits is None:
         splits, split_len = num_splits(m_tiles * num_reqs, max_context_len, q_lat.device, block_n)
     else:
@@ -321,7 +447,7 @@ def latent_attention_triton(
             o_ss, o_view.stride(1), o_view.stride(0), lse_ss, lse_view.stride(0),
             L=L, R=R, MODE=mode, HAS_STARTS=seq_starts is not None, LOWP_DOT=lowp,
             IEEE_FP32=dtype == torch.float32,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=_pad(L), BLOCK_R=_pad(R),
+            BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=_pad(L), BLOCK_R=_pad(R), SLICE=latent_slice(L),
             num_warps=warps, num_stages=stages,
         )
     if splits > 1:

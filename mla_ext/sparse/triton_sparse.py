@@ -105,8 +105,9 @@ if triton is not None:
 
 
 # GPU tiles (BLOCK_H, BLOCK_N, num_warps, num_stages), from ptxas -v at L = 512, R = 64 (triton 3.8;
-# tests/test_sparse_aot.py compiles every one and fails on any spill): the absorbed kernel's tiles
-# for 16-bit queries and the fp8 / ds_mla / native decoders; nvfp4's decoder needs 16 x 16 on
+# tests/test_sparse_aot.py compiles every one and fails on any spill): 16 x 32 on 8 warps, one
+# stage, for 16-bit queries and the fp8 / ds_mla / native decoders (this kernel decodes a whole
+# tile at once, load_latent_rows); nvfp4's decoder needs 16 x 16 on
 # 8 warps (32 x 16 spilled 440 B on sm_86, 16 x 32 124 B on sm_90a); fp32 on sm_90a 4 warps
 # (8 spilled 16 B).
 def _gpu_config(fp32: bool, sm90: bool, mode: int) -> tuple[int, int, int, int]:
@@ -114,7 +115,7 @@ def _gpu_config(fp32: bool, sm90: bool, mode: int) -> tuple[int, int, int, int]:
         return (16, 16, 8, 1)
     if fp32:
         return (16, 16, 4 if sm90 else 8, 1)
-    return TL.GPU_CONFIGS[(False, sm90)]
+    return (16, 32, 8, 1)
 
 
 def launch_config(N: int, dtype: torch.dtype, device: torch.device, mode: int = TL.MODE_NATIVE
