@@ -67,3 +67,13 @@ def e2m1_to_f32(c):
     f = c & 1
     mag = tl.where(e == 0, f * 0x3F000000, ((e + 126) << 23) | (f << 22))  # 0x3F000000 = 0.5f
     return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_to_f32_over_16384(c):
+    """e2m1 codes (as int32, 0..15) -> float32 value x 2^-14, exact: the magnitude bits at
+    fp16 bits 9..11 are an fp16 (subnormal for e = 0) of exactly that value, so two integer
+    ops and one conversion (e2m1_to_f32 takes five plus a select). For loaders whose block
+    scale can absorb the 2^14 (the latent kernel's nvfp4 decoder, where the fewer live
+    temporaries let 64-row wgmma tiles compile without spills)."""
+    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)

@@ -43,7 +43,7 @@ def test_fp8_quantizer_refuses_a_forced_launch(monkeypatch):
 def test_latent_tile_follows_the_mma_instruction_and_shared_memory(monkeypatch, cap, smem, wgmma, dtype, mode,
                                                                     heads):
     """64-row wgmma tiles only where wgmma exists (sm_90), the shared memory holds them and
-    they compile without spills (not nvfp4_ds_mla, not 1-2 heads per token); every tile a
+    they compile without spills (not for 1-2 heads per token); every tile a
     device gets fits its measured opt-in shared memory (a 64 KB device gets the small tile,
     an sm_90 limited to 99 KB the mma.sync one)."""
     monkeypatch.setattr(TL, "interpreting", lambda: False)
@@ -52,7 +52,7 @@ def test_latent_tile_follows_the_mma_instruction_and_shared_memory(monkeypatch, 
                         lambda device=None: SimpleNamespace(shared_memory_per_block_optin=smem))
     got = TL.launch_config(64, dtype, torch.device("cuda", 0), mode, heads)
     nvfp4 = mode == TL.MODE_NVFP4_DS_MLA
-    wgmma = wgmma and not nvfp4 and heads >= 3
+    wgmma = wgmma and heads >= 3
     if dtype == torch.float32:
         assert got == TL.FP32_TILE  # 72 KB: every sm_80+ device has at least 99 KB
     elif wgmma:

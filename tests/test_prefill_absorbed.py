@@ -461,8 +461,7 @@ def sig(dt, cache_t):
 
 # The tile each device gets (sm_86: 99 KB, mma.sync; sm_90: 227 KB, wgmma) for every decoder at
 # 16 heads: it fits the shared memory stated for it, and on sm_90 the 16-bit kernel's dots are
-# wgmma (nvfp4_ds_mla: mma.sync) with its cache-row loads pipelined (cp.async); fp32 keeps IEEE
-# FMA dots.
+# wgmma with its cache-row loads pipelined (cp.async); fp32 keeps IEEE FMA dots.
 for cc in (86, 90):
     for mode, dt, cache_t in ((TL.MODE_DS_MLA, "bf16", "u8"), (TL.MODE_NVFP4_DS_MLA, "bf16", "u8"),
                               (TL.MODE_E4M3, "bf16", "u8"), (TL.MODE_NATIVE, "bf16", "bf16"),
@@ -484,7 +483,7 @@ for cc in (86, 90):
             assert "e4m3" not in ptx, (cc, mode)
         if dt == "fp32":
             assert "mma" not in ptx, (cc, mode)
-        elif cc == 90 and mode != TL.MODE_NVFP4_DS_MLA:
+        elif cc == 90:
             assert tile == TL.WGMMA_TILE and "wgmma.mma_async" in ptx and "cp.async" in ptx, (mode, tile)
         else:
             assert "mma.sync" in ptx and "wgmma" not in ptx and "cp.async" in ptx, (cc, mode, tile)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mla_ext.triton_fp8 import e2m1_to_f32, e4m3_to_f32, e5m2_to_f32
+from mla_ext.triton_fp8 import e2m1_to_f32, e2m1_to_f32_over_16384, e4m3_to_f32, e5m2_to_f32
 
 
 @triton.jit
@@ -162,11 +162,13 @@ def load_latent_slice(c_ptr, c32_ptr, row, ok, k_scale, J: tl.constexpr, L: tl.c
         # SLICE / 2 bytes of e2m1 pairs (value 2j in the low nibble of byte j) ...
         byte = tl.load(c_ptr + row[:, None] + (J * SLICE // 2 + tl.arange(0, SLICE // 2))[None, :], mask=ok2,
                        other=0).to(tl.int32)
-        vals = tl.reshape(tl.join(e2m1_to_f32(byte & 0xF), e2m1_to_f32(byte >> 4)), (BLOCK_N, SLICE // 16, 16))
-        # ... times the e4m3 scales of their 16-value blocks, at their permuted bytes.
+        lo, hi = e2m1_to_f32_over_16384(byte & 0xF), e2m1_to_f32_over_16384(byte >> 4)
+        vals = tl.reshape(tl.join(lo, hi), (BLOCK_N, SLICE // 16, 16))
+        # ... times the e4m3 scales of their 16-value blocks, at their permuted bytes (x 2^14,
+        # which the cheaper code decode leaves out: exact, the product rounds as value x scale).
         g = J * SLICE // 16 + tl.arange(0, SLICE // 16)
         sb = tl.load(c_ptr + row[:, None] + (320 + 8 * (g & 3) + (g >> 2))[None, :], mask=ok2, other=0)
-        kv = tl.reshape(vals * e4m3_to_f32(sb.to(tl.int32))[:, :, None], (BLOCK_N, SLICE))
+        kv = tl.reshape(vals * (e4m3_to_f32(sb.to(tl.int32)) * 16384.0)[:, :, None], (BLOCK_N, SLICE))
         kv = tl.where(ok2, kv, 0.0)
     else:
         x = tl.load(c_ptr + row[:, None] + cols[None, :], mask=ok2 & (cols < L)[None, :], other=0)

@@ -255,7 +255,7 @@ def _pad(d: int) -> int:
 # slices, so a tile's live state is the accumulator [BLOCK_M, 512] fp32 plus one slice:
 #
 #   WGMMA_TILE  sm_90: 64 query rows = one wgmma M, 8 warps (two warpgroups split each dot's
-#               N), 2 stages: Triton pipelines the cache-row loads with cp.async. 241-255
+#               N), 2 stages: Triton pipelines the cache-row loads with cp.async. 223-255
 #               registers, no spills in any decoder; 118-144 KB of shared memory.
 #   MMA_TILE    mma.sync devices (sm_80/86/89/120, and sm_100 until checked there): 32 rows,
 #               2 stages; 168-246 registers, 74-97 KB (fits sm_86's 99 KB).
@@ -282,8 +282,9 @@ TILE_SMEM = {WGMMA_TILE: 147456, MMA_TILE: 98944, MMA_TILE_NVFP4: 69760, SMALL_T
 # 652 B on sm_80; sm_100's tcgen05 is unchecked).
 WGMMA_CAPABILITIES = ((9, 0),)
 # ... and only where every variant compiles without spills under Triton 3.6 as well as 3.8:
-# not for nvfp4_ds_mla (its e2m1 decoder spilled 20-224 B at 64 rows under 3.6) nor for one
-# or two heads per token (BLOCK_H 1-2: 8-76 B under 3.6); those take the mma.sync tiles.
+# not for one or two heads per token (BLOCK_H 1-2 spilled 8-92 B under 3.6), which take the
+# mma.sync tiles. (nvfp4_ds_mla fits since its e2m1 codes decode in two integer ops,
+# triton_fp8.e2m1_to_f32_over_16384; with the five-op decode it spilled 20-224 B.)
 WGMMA_MIN_HEADS = 3
 SLICE_COLS = 128
 MAX_BLOCK_L = 4 * SLICE_COLS  # the widest latent tile the configs above were checked for
@@ -303,7 +304,7 @@ def gpu_config(fp32: bool, wgmma: bool, smem_optin: int, mode: int, heads: int) 
     if fp32:
         candidates = [FP32_TILE]  # 72 KB: every sm_80+ device has at least 99 KB
     else:
-        candidates = [WGMMA_TILE] if wgmma and mode != MODE_NVFP4_DS_MLA and heads >= WGMMA_MIN_HEADS else []
+        candidates = [WGMMA_TILE] if wgmma and heads >= WGMMA_MIN_HEADS else []
         candidates += [MMA_TILE_NVFP4 if mode == MODE_NVFP4_DS_MLA else MMA_TILE, SMALL_TILE]
     for cfg in candidates:
         if TILE_SMEM[cfg] <= smem_optin:
