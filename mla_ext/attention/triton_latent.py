@@ -185,8 +185,8 @@ if triton is not None:
         acc_c = tl.zeros([BLOCK_M, SLICE], tl.float32)
         acc_d = tl.zeros([BLOCK_M, SLICE], tl.float32)
         for n0 in range(kv_lo, kv_hi, BLOCK_N):
-            n_mask, row, ok = _tile_rows(n0, kv_hi, start, b, bt_ptr, bt_s0, bt_s1, num_blocks,
-                                                   block_size, max_blocks, c_blk, c_ent, BLOCK_N)
+            n_mask, row, ok = _tile_rows(n0, kv_hi, start, b, bt_ptr, bt_s0, bt_s1, num_blocks, block_size,
+                                         max_blocks, c_blk, c_ent, BLOCK_N)
             # scores, one latent slice at a time (rows are contiguous: the launcher refuses
             # other column strides)
             kv_a = _decoded(c_ptr, c32_ptr, row, ok, k_scale, 0, L, MODE, BLOCK_N, SLICE, dt)
