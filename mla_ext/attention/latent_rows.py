@@ -128,13 +128,31 @@ def latent_softmax_step(q, qp, kv, pe, key_ok, qk_scale_log2, m_i, l_i, acc, LOW
 
 
 @triton.jit
+def softmax_norm(m_i, l_i):
+    """(1 / sum, lse natural log) of the online softmax; a row without a key: 1 (its
+    accumulator is 0, so o = 0) and lse = -inf."""
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    return 1.0 / l_safe, lse
+
+
+@triton.jit
 def latent_softmax_finish(acc, m_i, l_i):
     """(o, lse natural log) of the online softmax; a row without a key: o = 0, lse = -inf."""
-    has_key = l_i > 0.0
-    o = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    lse = tl.where(has_key, (m_i + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
-    return o, lse
+    inv, lse = softmax_norm(m_i, l_i)
+    return acc * inv[:, None], lse
+
+
+@triton.jit
+def load_k_scale(ks_ptr, MODE: tl.constexpr):
+    """The per-tensor fp8 scale (modes 1 / 2; 1.0 otherwise, ks_ptr unread). Not checked on
+    the host (that would sync): an invalid scale (not finite, <= 0) gives NaN rows."""
+    k_scale = 1.0
+    if MODE == 1 or MODE == 2:
+        k_scale = tl.load(ks_ptr)
+        k_scale = tl.where((k_scale > 0.0) & (k_scale <= 3.4028234663852886e38), k_scale, float("nan"))
+    return k_scale
 
 
 # -- the same decoders, one slice of the latent at a time ---------------------------------

@@ -55,7 +55,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the install
     TRITON_IMPORT_ERROR: str | None = str(_exc)
 else:
     TRITON_IMPORT_ERROR = None
-    from mla_ext.attention.latent_rows import load_latent_pe, load_latent_slice, online_softmax
+    from mla_ext.attention.latent_rows import (load_k_scale, load_latent_pe, load_latent_slice,
+                                                online_softmax, softmax_norm)
     from mla_ext.triton_fp8 import launch_guard
 
 LOG2E = 1.4426950408889634
@@ -172,11 +173,7 @@ if triton is not None:
         start = 0
         if HAS_STARTS:
             start = tl.load(st_ptr + b)
-        k_scale = 1.0
-        if MODE == 1 or MODE == 2:
-            k_scale = tl.load(ks_ptr)
-            # Not checked on the host (that would sync): an invalid scale gives NaN rows.
-            k_scale = tl.where((k_scale > 0.0) & (k_scale <= 3.4028234663852886e38), k_scale, float("nan"))
+        k_scale = load_k_scale(ks_ptr, MODE)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -211,10 +208,7 @@ if triton is not None:
                 acc_c = acc_c * alpha[:, None] + _mm(p, kv_c, IEEE_FP32)
                 acc_d = acc_d * alpha[:, None] + _mm(p, kv_d, IEEE_FP32)
 
-        has_key = l_i > 0.0
-        inv = 1.0 / tl.where(has_key, l_i, 1.0)
-        lse = tl.where(has_key, (m_i + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
+        inv, lse = softmax_norm(m_i, l_i)
         o_row = o_ptr + sp * o_ss + tok_q[:, None] * o_st + head[:, None] * o_sh
         _store_o(o_row, acc_a, inv, r_mask, 0, L, SLICE)
         if BLOCK_L > SLICE:

@@ -122,14 +122,16 @@ def _triton_reasons(x: LatentInputs) -> list[str]:
     return TL.not_supported_reasons(cache, x.q_lat, fmt)
 
 
-def _alloc_out(x: LatentInputs) -> tuple[Tensor, Tensor]:
-    N, T, L = x.q_lat.shape
-    return (torch.empty(N, T, L, dtype=x.q_lat.dtype, device=x.device),
-            torch.empty(N, T, dtype=torch.float32, device=x.device))
+def latent_outputs(q_lat: Tensor) -> tuple[Tensor, Tensor]:
+    """Empty (out [N, T, L] in q_lat's dtype, lse [N, T] float32) for a latent attention op
+    (absorbed context attention here, sparse attention in mla_ext/sparse)."""
+    N, T, L = q_lat.shape
+    return (torch.empty(N, T, L, dtype=q_lat.dtype, device=q_lat.device),
+            torch.empty(N, T, dtype=torch.float32, device=q_lat.device))
 
 
 def _triton_run(x: LatentInputs) -> tuple[Tensor, Tensor]:
-    out, lse = _alloc_out(x)
+    out, lse = latent_outputs(x.q_lat)
     lens_q = [b - a for a, b in zip(x.q_offsets, x.q_offsets[1:])]
     lens_k = [b - a for a, b in zip(x.ctx_offsets, x.ctx_offsets[1:])]
     if x.rows is not None:
@@ -176,7 +178,7 @@ def latent_attention_rows_torch(q_lat: Tensor, q_pe: Tensor, rows: Tensor, q_off
 
 
 def _torch_run(x: LatentInputs) -> tuple[Tensor, Tensor]:
-    out, lse = _alloc_out(x)
+    out, lse = latent_outputs(x.q_lat)
     rows = x.rows
     if rows is None:
         total = x.ctx_offsets[-1]
@@ -291,7 +293,7 @@ def latent_context_attention(
     x = LatentInputs(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, cu_seqlens_q, cu_seq_lens, seq_starts,
                      k_scale, float(softmax_scale), qo, co, workspace, rows)
     if T == 0 or N == 0:
-        out, lse = _alloc_out(x)
+        out, lse = latent_outputs(x.q_lat)
         return out, lse
     return LATENT(x)
 

@@ -23,6 +23,7 @@ from mla_ext.attention import triton_latent as TL
 from mla_ext.cache.reference import decode_cache_rows
 from mla_ext.dispatch import Backend, Dispatcher
 from mla_ext.formats import QuantMode, get_format
+from mla_ext.prefill.absorbed import latent_outputs
 
 MAX_ROW_BYTES = 64 << 20  # torch backend: decoded rows per query block
 
@@ -68,16 +69,10 @@ def _host_meta(x: SparseInputs):
             torch.tensor(cu, dtype=torch.int32, device=dev), cu)
 
 
-def _alloc(x: SparseInputs) -> tuple[Tensor, Tensor]:
-    N, T, L = x.q_lat.shape
-    return (torch.empty(N, T, L, dtype=x.q_lat.dtype, device=x.device),
-            torch.empty(N, T, dtype=torch.float32, device=x.device))
-
-
 def _triton_run(x: SparseInputs) -> tuple[Tensor, Tensor]:
     from mla_ext.sparse.triton_sparse import sparse_latent_attention_triton
 
-    out, lse = _alloc(x)
+    out, lse = latent_outputs(x.q_lat)
     tok_req, ctx, cuq, _ = _host_meta(x)
     sparse_latent_attention_triton(x.q_lat, x.q_pe, x.kv_cache, x.kv_cache_dtype, x.block_table, x.indices, tok_req,
                                    ctx, cuq, x.new_kv_c, x.new_k_pe, x.k_scale, x.softmax_scale, out, lse)
@@ -113,7 +108,7 @@ def _rows(x: SparseInputs, t0: int, t1: int, tok_req: Tensor, cu: list[int]) -> 
 
 
 def _torch_run(x: SparseInputs) -> tuple[Tensor, Tensor]:
-    out, lse = _alloc(x)
+    out, lse = latent_outputs(x.q_lat)
     N, T, L = x.q_lat.shape
     K = x.indices.shape[1]
     tok_req, _, _, cu = _host_meta(x)

@@ -27,7 +27,8 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 else:
-    from mla_ext.attention.latent_rows import latent_softmax_finish, latent_softmax_step, load_latent_rows
+    from mla_ext.attention.latent_rows import (latent_softmax_finish, latent_softmax_step, load_k_scale,
+                                                load_latent_rows)
     from mla_ext.triton_fp8 import launch_guard
 
 LOG2E = TL.LOG2E
@@ -65,10 +66,7 @@ if triton is not None:
                          mask=h_mask[:, None] & rc_mask[None, :], other=0.0)
             if not LOWP_DOT:
                 qp = qp.to(tl.float32)
-        k_scale = 1.0
-        if MODE == 1 or MODE == 2:
-            k_scale = tl.load(ks_ptr)
-            k_scale = tl.where((k_scale > 0.0) & (k_scale <= 3.4028234663852886e38), k_scale, float("nan"))
+        k_scale = load_k_scale(ks_ptr, MODE)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
