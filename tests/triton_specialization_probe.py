@@ -178,7 +178,7 @@ def _gpu_paths(cc: int = 90) -> None:
     triton_gather._hw_fp8 = lambda device: cc >= 89
     triton_latent.interpreting = lambda: False
     smem = 227 * 1024 if cc >= 90 else 99 * 1024  # opt-in shared memory per block, sm_90 / sm_86
-    triton_latent.launch_config = lambda rows, dtype, device, mode=0, heads=16: triton_latent.gpu_config(
+    triton_latent.launch_config = lambda rows, dtype, device, mode, heads: triton_latent.gpu_config(
         dtype == torch.float32, (cc // 10, cc % 10) in triton_latent.WGMMA_CAPABILITIES, smem, mode, heads)
 
 

@@ -252,7 +252,7 @@ def _pad(d: int) -> int:
 #               N), 2 stages: Triton pipelines the cache-row loads with cp.async. 223-255
 #               registers, no spills in any decoder; 118-144 KB of shared memory.
 #   MMA_TILE    mma.sync devices (sm_80/86/89/120, and sm_100 until checked there): 32 rows,
-#               2 stages; 168-246 registers, 74-97 KB (fits sm_86's 99 KB).
+#               2 stages; 168-255 registers, 74-97 KB (fits sm_86's 99 KB).
 #   MMA_TILE_NVFP4  the e2m1 decoder on mma.sync: 16 rows (32 x 32 and 32 x 16 spilled
 #               4-48 B under Triton 3.6); 164-191 registers, 68 KB.
 #   SMALL_TILE  any device whose opt-in shared memory holds none of the above: 58 KB.
@@ -311,9 +311,10 @@ def head_block(heads: int, block_m: int) -> int:
     return min(triton.next_power_of_2(max(heads, 1)), block_m)
 
 
-def launch_config(max_rows: int, dtype: torch.dtype, device: torch.device, mode: int = MODE_NATIVE,
-                  heads: int = 16) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `max_rows` (query, head) rows."""
+def launch_config(max_rows: int, dtype: torch.dtype, device: torch.device, mode: int,
+                  heads: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `max_rows` (query, head) rows of a
+    layer with `heads` heads reading a cache of MODE `mode`."""
     if interpreting() or device.type != "cuda":
         return max(16, min(64, triton.next_power_of_2(max(max_rows, 1)))), 64, 4, 1
     # One config per dtype, device, cache format and head count, whatever the rows.
