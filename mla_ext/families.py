@@ -41,6 +41,14 @@ class Family:
     mask: str = "causal"
     # An input-dependent gate between the attention and o_proj (the module's own).
     output_gate: bool = False
+    # Which MLA layers run the DSA indexer's selection (sparse families): "mla" every
+    # one, "indexed" only its indexed_attention layers (dots3_note's sliding layers
+    # have no indexer).
+    sparse_layers: str = "mla"
+    # Whether its attention reads these config keys (transformers' modules of the
+    # other families ignore them, so mla_ext's readers do too).
+    reads_no_rope_layers: bool = False
+    reads_kv_source_layers: bool = False
     note: str = ""
 
 
@@ -57,7 +65,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _f("bailing_hybrid", "BailingHybridAttention", output_gate=True,
        note="MLA on its full_attention layers only (the others are linear attention)"),
     _f("dots3_note", "Dots3NoteTextAttention", yarn_in_scale=False, sparse=True, sliding=True,
-       output_gate=True,
+       output_gate=True, sparse_layers="indexed",
        note="per-layer dims on sliding layers; latents rescaled and k_pe normed"),
     _f("glm4_moe_lite", "Glm4MoeLiteAttention"),
     _f("glm5_next", "Glm5NextTextAttention", yarn_in_scale=False, sparse=True, mask="padding",
@@ -69,7 +77,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _f("longcat_flash", "LongcatFlashMLA", note="latents rescaled"),
     _f("minicpm3", "MiniCPM3Attention"),
     _f("mistral4", "Mistral4Attention", note="position-dependent query temperature"),
-    _f("mistral_large4", "MistralLarge4TextAttention", sparse=True,
+    _f("mistral_large4", "MistralLarge4TextAttention", sparse=True, reads_no_rope_layers=True,
+       reads_kv_source_layers=True,
        note="no-rope layers, KV-sharing layers, position-dependent query temperature"),
     _f("youtu", "YoutuAttention"),
 )}

@@ -10,20 +10,20 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from mla_ext.builtin_configs import FAMILY_BUILTINS
+from mla_ext.config_dict import MAX_NUM_LAYERS, facts_from_dict, is_int, precheck, short, text_dict
+from mla_ext.config_dict import sparse_fields as dict_sparse_fields
+from mla_ext.config_dict import sliding_window_layers_from_dict  # noqa: F401  (public before)
+from mla_ext.config_hf import facts_from_hf, hf_config_from_dict, sparse_fields_hf, transformers_reader_enabled
 from mla_ext.families import family_of
 from mla_ext.formats import MODEL_DTYPES
-from mla_ext.softmax_scale import base_scale, scale_from_config
+from mla_ext.softmax_scale import base_scale
 
-# Layer counts bound loops (per-layer specs, plans, sliding-window sets), so a
-# corrupt config (num_hidden_layers: 10**9) must fail at once rather than hang.
-# Released MLA models have well under a hundred (DeepSeek-V2-Lite 27, DeepSeek-V3/R1
-# and Kimi-K2 61); 1024 leaves an order of magnitude of room.
-MAX_NUM_LAYERS = 1024
 # A config.json is a few KiB; anything past this is not one (and is not read).
 MAX_CONFIG_BYTES = 16 * 2**20
 
@@ -92,6 +92,12 @@ class MLAModelConfig:
     # Layers that are not MLA attention at all (linear attention in kimi_linear,
     # bailing_hybrid, glm5_next): they have no MLA cache and no MLA layer.
     non_mla_layers: frozenset = field(default_factory=frozenset)
+    # A sparse (DSA) model's indexer (mla_ext.sparse.layer.SparseConfig), None for a
+    # dense one, and the MLA layers that run its selection (default: every MLA layer).
+    # `for_layer(i)` keeps it only on those layers.
+    sparse: object = None
+    sparse_layers: frozenset = field(default_factory=frozenset)
+    reader: str = ""  # which config reader read it (mla_ext.config_hf / config_dict), or ""
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -101,7 +107,7 @@ class MLAModelConfig:
             _check_int(arg, getattr(self, arg), minimum=1, where=self.name)
         if self.num_layers > MAX_NUM_LAYERS:
             raise ValueError(f"{self.name}: num_layers must be an integer <= {MAX_NUM_LAYERS} "
-                             f"(models.MAX_NUM_LAYERS); got {_short(self.num_layers)}")
+                             f"(models.MAX_NUM_LAYERS); got {short(self.num_layers)}")
         _check_int("R", self.R, minimum=0, where=self.name)
         _check_int("tp_rank", self.tp_rank, minimum=0, where=self.name)
         if self.tp_rank >= self.tp_size:
@@ -128,9 +134,9 @@ class MLAModelConfig:
         if isinstance(self.sliding_window_layers, (str, bytes)) or \
                 not hasattr(self.sliding_window_layers, "__iter__"):
             raise ValueError(f"{self.name}: sliding_window_layers must be a set of layer indices; "
-                             f"got {_short(self.sliding_window_layers)}")
+                             f"got {short(self.sliding_window_layers)}")
         layers = frozenset(self.sliding_window_layers)
-        bad = sorted(i for i in layers if not _is_int(i) or not 0 <= i < self.num_layers)
+        bad = sorted(i for i in layers if not is_int(i) or not 0 <= i < self.num_layers)
         if bad:
             raise ValueError(
                 f"{self.name}: sliding_window_layers must be layer indices in "
@@ -147,19 +153,43 @@ class MLAModelConfig:
             _check_int(f"layer_dims[{i}].R", d.R, minimum=0, where=self.name)
         src = self._layer_pairs("kv_source_layers", self.kv_source_layers)
         for i, j in src:
-            if not _is_int(j) or not 0 <= j < self.num_layers or j == i or j in dict(src):
+            if not is_int(j) or not 0 <= j < self.num_layers or j == i or j in dict(src):
                 raise ValueError(f"{self.name}: kv_source_layers[{i}] must name another layer "
-                                 f"that keeps its own KV; got {_short(j)}")
+                                 f"that keeps its own KV; got {short(j)}")
         object.__setattr__(self, "kv_source_layers", src)
         if isinstance(self.non_mla_layers, (str, bytes)) or not hasattr(self.non_mla_layers, "__iter__"):
             raise ValueError(f"{self.name}: non_mla_layers must be a set of layer indices; got "
-                             f"{_short(self.non_mla_layers)}")
+                             f"{short(self.non_mla_layers)}")
         others = frozenset(self.non_mla_layers)
-        bad = sorted(i for i in others if not _is_int(i) or not 0 <= i < self.num_layers)
+        bad = sorted(i for i in others if not is_int(i) or not 0 <= i < self.num_layers)
         if bad or len(others) >= self.num_layers:
             raise ValueError(f"{self.name}: non_mla_layers must be layer indices in "
                              f"[0, {self.num_layers}), not all of them; got {sorted(others, key=str)}")
         object.__setattr__(self, "non_mla_layers", others)
+        self._check_sparse()
+
+    def _check_sparse(self) -> None:
+        if self.sparse is None:
+            if self.sparse_layers:
+                raise ValueError(f"{self.name}: sparse_layers {sorted(self.sparse_layers)} given without "
+                                 "a sparse (SparseConfig)")
+            object.__setattr__(self, "sparse_layers", frozenset())
+            return
+        from mla_ext.sparse.layer import SparseConfig  # not at import: mla_ext.sparse imports the layer
+
+        if not isinstance(self.sparse, SparseConfig):
+            raise ValueError(f"{self.name}: sparse must be an mla_ext.sparse.layer.SparseConfig or None; "
+                             f"got {type(self.sparse).__name__}")
+        if isinstance(self.sparse_layers, (str, bytes)) or not hasattr(self.sparse_layers, "__iter__"):
+            raise ValueError(f"{self.name}: sparse_layers must be a set of layer indices; got "
+                             f"{short(self.sparse_layers)}")
+        mla = frozenset(range(self.num_layers)) - self.non_mla_layers
+        layers = frozenset(self.sparse_layers) or mla
+        bad = sorted((i for i in layers if not is_int(i) or i not in mla), key=str)
+        if bad:
+            raise ValueError(f"{self.name}: sparse_layers must be MLA layer indices in [0, "
+                             f"{self.num_layers}); got {bad}")
+        object.__setattr__(self, "sparse_layers", layers)
 
     def _layer_pairs(self, arg: str, value) -> tuple:
         """A {layer: x} dict (or pairs) as sorted pairs, every layer in range."""
@@ -167,8 +197,8 @@ class MLAModelConfig:
             pairs = sorted((value.items() if isinstance(value, dict) else value), key=lambda p: p[0])
         except (TypeError, ValueError):
             raise ValueError(f"{self.name}: {arg} must be a dict {{layer: ...}}; got "
-                             f"{_short(value)}") from None
-        bad = [i for i, _ in pairs if not _is_int(i) or not 0 <= i < self.num_layers]
+                             f"{short(value)}") from None
+        bad = [i for i, _ in pairs if not is_int(i) or not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"{self.name}: {arg} keys must be layer indices in "
                              f"[0, {self.num_layers}); got {bad}")
@@ -187,14 +217,16 @@ class MLAModelConfig:
         """This model as one layer sees it: that layer's L, R, P, V, heads and
         softmax scale (the model's own where the layer has no LayerDims entry)."""
         d = dict(self.layer_dims).get(layer)
+        own = {} if self.sparse is None or layer in self.sparse_layers else \
+            {"sparse": None, "sparse_layers": frozenset()}
         if d is None:
-            return self if not self.layer_dims else replace(self, layer_dims=())
+            return self if not self.layer_dims and not own else replace(self, layer_dims=(), **own)
         scale, source = d.softmax_scale, d.softmax_scale_source
         if scale is None:
             base = base_scale(d.P, d.R)
             scale, source = base.value, f"{base.source}, layer {layer}'s own dims"
         return replace(self, L=d.L, R=d.R, P=d.P, V=d.V, num_heads=d.num_heads, layer_dims=(),
-                       softmax_scale=scale, softmax_scale_source=source or f"layer {layer}")
+                       softmax_scale=scale, softmax_scale_source=source or f"layer {layer}", **own)
 
     @property
     def E(self) -> int:
@@ -244,6 +276,9 @@ class MLAModelConfig:
                       for i, j in self.kv_source_layers)
             + (f"\n  layers {_ranges(sorted(self.non_mla_layers))}: not MLA (linear attention), "
                "no MLA cache" if self.non_mla_layers else "")
+            + (f"\n  layers {_ranges(sorted(self.sparse_layers))}: {self.sparse.describe()}"
+               if self.sparse is not None else "")
+            + (f"\n  config read by {self.reader}" if self.reader else "")
         )
 
 
@@ -267,19 +302,15 @@ def _ranges(ix: list[int]) -> str:
     return " ".join(out)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_int(arg: str, value, minimum: int, where: str) -> None:
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{where}: {arg} must be an integer >= {minimum}; got {_short(value)}")
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{where}: {arg} must be an integer >= {minimum}; got {short(value)}")
 
 
 # The built-in models are excerpts of their real config.json, read by the same
 # reader as a user's file, so their softmax scale is derived, not typed in.
 _DEEPSEEK_V3_JSON = {
-    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
     "num_attention_heads": 128, "num_hidden_layers": 61, "max_position_embeddings": 163840,
     "torch_dtype": "bfloat16",
     "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -287,7 +318,7 @@ _DEEPSEEK_V3_JSON = {
 }
 _BUILTIN_JSON = {
     "deepseek-v2-lite": {
-        **_DEEPSEEK_V3_JSON, "num_attention_heads": 16, "num_hidden_layers": 27,
+        **_DEEPSEEK_V3_JSON, "model_type": "deepseek_v2", "num_attention_heads": 16, "num_hidden_layers": 27,
         "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
                          "original_max_position_embeddings": 4096, "beta_fast": 32,
                          "beta_slow": 1},
@@ -297,7 +328,8 @@ _BUILTIN_JSON = {
     "deepseek-r1": _DEEPSEEK_V3_JSON,
     # DeepSeek-V3.2(-Exp): V3's attention and yarn, plus the DSA indexer (dense
     # attention equals it only up to index_topk keys per query).
-    "deepseek-v3.2": {**_DEEPSEEK_V3_JSON, "model_type": "deepseek_v32", "index_topk": 2048},
+    "deepseek-v3.2": {**_DEEPSEEK_V3_JSON, "model_type": "deepseek_v32", "index_topk": 2048,
+                      "index_n_heads": 64, "index_head_dim": 128},
     # One per transformers MLA family: mla_ext/builtin_configs.py.
     **FAMILY_BUILTINS,
     "kimi-k2": {
@@ -336,17 +368,6 @@ def get_model_config(name_or_path: str | os.PathLike) -> MLAModelConfig:
     )
 
 
-_REQUIRED_KEYS = {
-    "L": "kv_lora_rank",
-    "R": "qk_rope_head_dim",
-    "P": "qk_nope_head_dim",
-    "V": "v_head_dim",
-    "num_heads": "num_attention_heads",
-    "num_layers": "num_hidden_layers",
-    "max_model_len": "max_position_embeddings",
-}
-
-
 def load_hf_config(path: str | os.PathLike) -> MLAModelConfig:
     """MLA dims from a HF `config.json`; a ValueError naming the file and every missing key."""
     if not isinstance(path, (str, os.PathLike)):
@@ -374,147 +395,116 @@ def load_hf_config(path: str | os.PathLike) -> MLAModelConfig:
     return config_from_dict(raw, name=path)
 
 
-# Other spellings of a required key in published configs: LongCat-Flash writes
-# num_layers, Kimi-Linear and Bailing-hybrid model_max_length.
-_ALIASES = {"num_hidden_layers": ("num_layers",),
-            "max_position_embeddings": ("model_max_length",)}
-
-
-def _with_aliases(raw: dict) -> dict:
-    out = dict(raw)
-    for key, others in _ALIASES.items():
-        if out.get(key) is None:
-            for other in others:
-                if out.get(other) is not None:
-                    out[key] = out[other]
-                    break
-    return out
-
-
-def config_from_dict(raw: dict, name: str) -> MLAModelConfig:
+def config_from_dict(raw, name: str = "") -> MLAModelConfig:
+    """The MLA model a raw config describes (a config.json dict, or a transformers
+    PretrainedConfig). A config of a transformers MLA family is read by that family's
+    own config class where transformers is importable (mla_ext.config_hf: its
+    defaults, spellings, layer patterns and refusals), else by mla_ext's reader
+    (mla_ext.config_dict), which reads the same; other configs by mla_ext's reader."""
+    if not isinstance(raw, dict) and callable(getattr(raw, "to_dict", None)) \
+            and hasattr(raw, "model_type"):
+        return config_from_hf(raw, name)
     if not isinstance(raw, dict):
-        raise ValueError(f"model config {name}: expected a JSON object (dict), got "
-                         f"{type(raw).__name__}")
-    # Multimodal checkpoints (e.g. Kimi-VL style, dots3_note, glm5_next,
-    # mistral_large4) keep the language model's fields under text_config.
-    if "kv_lora_rank" not in raw and isinstance(raw.get("text_config"), dict):
-        raw = {**raw, **raw["text_config"]}
-    raw = _with_aliases(raw)
-    missing = [k for k in _REQUIRED_KEYS.values() if raw.get(k) is None]
-    if missing:
-        raise ValueError(
-            f"model config {name}: missing or null keys {missing} "
-            "(an MLA config needs all of " + ", ".join(_REQUIRED_KEYS.values()) + ")"
-        )
-    dims = {}
-    for arg, key in _REQUIRED_KEYS.items():
-        value = raw[key]
-        if not _is_int(value):
-            raise ValueError(f"model config {name}: {key} must be an integer; got "
-                             f"{_short(value)}")
-        dims[arg] = value
-    # Before anything loops over the layers (sliding_window_layers_from_dict).
-    if not 1 <= dims["num_layers"] <= MAX_NUM_LAYERS:
-        raise ValueError(f"model config {name}: num_hidden_layers must be an integer >= 1 "
-                         f"and <= {MAX_NUM_LAYERS} (models.MAX_NUM_LAYERS); got "
-                         f"{_short(dims['num_layers'])}")
-    dtype, dtype_source = _model_dtype(raw, name)
+        raise ValueError(f"model config {name}: expected a JSON object (dict) or a transformers "
+                         f"config, got {type(raw).__name__}")
+    if not isinstance(name, str):
+        raise ValueError(f"name: expected a str (the model's name), got {type(name).__name__}")
+    raw = text_dict(raw)
     family = family_of(raw.get("model_type"))
-    types = raw.get("layer_types") if isinstance(raw.get("layer_types"), list) else None
-    main_type = _main_layer_type(types)
-    scale = scale_from_config(raw, dims["P"], dims["R"], name, layer_type=main_type, family=family)
-    sliding = sliding_window_layers_from_dict(raw, dims["num_layers"], name)
-    layer_dims = _layer_dims_from_dict(raw, dims, scale.value, name, family)
-    sources = _kv_sources_from_dict(raw, dims["num_layers"], name)
-    # layer_types is checked (a list of num_layers entries) by sliding_window_layers_from_dict.
-    others = frozenset(i for i, t in enumerate(types or ()) if "linear" in str(t).lower())
-    return MLAModelConfig(name=name, model_dtype=dtype, sliding_window_layers=sliding,
-                          softmax_scale=scale.value, softmax_scale_source=scale.source,
-                          dtype_source=dtype_source, layer_dims=layer_dims,
-                          kv_source_layers=sources, non_mla_layers=others, **dims)
+    precheck(raw, family, name)
+    if family is not None and transformers_reader_enabled():
+        facts = facts_from_hf(hf_config_from_dict(raw, family, name), family, name)
+    else:
+        facts = facts_from_dict(raw, family, name)
+    dtype, dtype_source = _model_dtype(raw, name)
+    return _assemble(name, facts, dtype, dtype_source)
 
 
-def _main_layer_type(types) -> str | None:
-    """The layer type whose rope parameters give the model's own scale: the first
-    type that is not a sliding window (dots3_note: "indexed_attention")."""
-    if not types:
-        return None
-    full = [t for t in types if "sliding" not in str(t)]
-    return str((full or types)[0])
+def config_from_hf(cfg, name: str = "") -> MLAModelConfig:
+    """The MLA model of a transformers config object (e.g. `module.config`): read from
+    the object itself for a family's config, from its to_dict() otherwise."""
+    get_text = getattr(cfg, "get_text_config", None)
+    text = get_text(decoder=True) if callable(get_text) else cfg
+    family = family_of(getattr(text, "model_type", None)) or family_of(getattr(cfg, "model_type", None))
+    name = name or f"{getattr(cfg, 'model_type', '')} {getattr(cfg, 'name_or_path', '')}".strip()
+    if family is None or not transformers_reader_enabled():
+        return config_from_dict(cfg.to_dict(), name)
+    facts = facts_from_hf(cfg, family, name)
+    dtype = getattr(text, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        dtype, dtype_source = (dtype, "config dtype") if dtype in MODEL_DTYPES else \
+            (_parse_dtype(str(dtype), name, "dtype"), "config dtype")
+    else:
+        dtype, dtype_source = _model_dtype({"dtype": dtype}, name)
+    return _assemble(name, facts, dtype, dtype_source)
 
 
-# Per-layer overrides in a config's per_layer_config (dots3_note) -> our dims.
-_PER_LAYER_KEYS = {"L": "kv_lora_rank", "R": "qk_rope_head_dim", "P": "qk_nope_head_dim",
-                   "V": "v_head_dim", "num_heads": "num_attention_heads"}
+def sparse_fields(config, name: str = "config") -> dict | None:
+    """The DSA indexer's fields (index_topk, index_n_heads, index_head_dim, model_type) of
+    any model config, None for a dense model: an MLAModelConfig's, a transformers
+    config's, a config dict's (at top level or under text_config; a sparse family's
+    defaults from its config class where absent). Only these fields are read, so a
+    partial dict will do. A ValueError naming `name` for anything else."""
+    if isinstance(config, MLAModelConfig):
+        s = config.sparse
+        return None if s is None else {"index_topk": s.index_topk, "index_n_heads": s.index_n_heads,
+                                       "index_head_dim": s.index_head_dim, "model_type": None}
+    if not isinstance(config, dict) and callable(getattr(config, "to_dict", None)) \
+            and hasattr(config, "model_type"):
+        get_text = getattr(config, "get_text_config", None)
+        text = get_text(decoder=True) if callable(get_text) else config
+        family = family_of(getattr(text, "model_type", None)) or family_of(config.model_type)
+        if family is not None and transformers_reader_enabled():
+            return sparse_fields_hf(text, family)
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        raise ValueError(f"{name}: expected a model config (a config dict, a transformers "
+                         f"PretrainedConfig or an mla_ext MLAModelConfig), got {type(config).__name__}")
+    raw = text_dict(config)
+    family = family_of(raw.get("model_type"))
+    if family is not None and family.sparse and transformers_reader_enabled():
+        return sparse_fields_hf(hf_config_from_dict(raw, family, name), family)
+    return dict_sparse_fields(raw, family, name)
 
 
-def _layer_dims_from_dict(raw: dict, dims: dict, model_scale: float, name: str, family) -> dict:
-    """{layer: LayerDims} for the layers whose dims or scale differ from the model's:
-    `per_layer_config` entries (dots3_note's sliding layers), `no_rope_layers`
-    zeros (mistral_large4, smollm3 convention: 1 = rope; a no-rope layer moves the
-    rope width into P and keeps the model's scale), and per-layer-type
-    `rope_parameters` that give a layer type another softmax scale."""
-    n = dims["num_layers"]
-    per_layer = raw.get("per_layer_config")
-    if per_layer is not None and not isinstance(per_layer, dict):
-        raise ValueError(f"model config {name}: per_layer_config must be an object {{layer: "
-                         f"{{key: value}}}}; got {_short(per_layer)}")
-    per_layer = per_layer or {}
-    no_rope = raw.get("no_rope_layers")
-    if no_rope is not None and (not isinstance(no_rope, list) or len(no_rope) < n
-                                or not all(v in (0, 1) for v in no_rope)):
-        raise ValueError(f"model config {name}: no_rope_layers must be a list of {n} entries "
-                         f"0 (no rope) or 1 (rope); got {_short(no_rope)}")
-    types = raw.get("layer_types") if isinstance(raw.get("layer_types"), list) else None
-    out = {}
-    for i in range(n):
-        over = per_layer.get(str(i), per_layer.get(f"{i:02d}", per_layer.get(i)))
-        if over is not None and not isinstance(over, dict):
-            raise ValueError(f"model config {name}: per_layer_config[{i}] must be an object; got "
-                             f"{_short(over)}")
-        d = dict(dims)
-        if isinstance(over, dict):
-            for arg, key in _PER_LAYER_KEYS.items():
-                if over.get(key) is not None:
-                    if not _is_int(over[key]):
-                        raise ValueError(f"model config {name}: per_layer_config[{i}].{key} must "
-                                         f"be an integer; got {_short(over[key])}")
-                    d[arg] = over[key]
-        scale, source = None, ""
-        layer_type = str(types[i]) if types and i < len(types) else None
-        if isinstance(over, dict) or (layer_type and layer_type != _main_layer_type(types)):
-            s = scale_from_config(raw, d["P"], d["R"], name, layer_type=layer_type, family=family)
-            scale, source = s.value, f"layer {i}: {s.source}"
-        if isinstance(no_rope, list) and i < len(no_rope) and no_rope[i] == 0 and d["R"]:
-            # transformers keeps qk_head_dim (so the scale) and widens q_pass/k_pass.
-            d["P"], d["R"] = d["P"] + d["R"], 0
-            scale, source = scale or model_scale, source or f"layer {i}: no rope, the model's scale"
-        changed = any(d[k] != dims[k] for k in _PER_LAYER_KEYS)
-        if changed or (scale is not None and not math.isclose(scale, model_scale, rel_tol=1e-12)):
-            out[i] = LayerDims(d["L"], d["R"], d["P"], d["V"], d["num_heads"],
-                               softmax_scale=scale, softmax_scale_source=source)
-    return out
+def _assemble(name: str, facts, dtype: torch.dtype, dtype_source: str) -> MLAModelConfig:
+    """The MLAModelConfig of either reader's facts: the model's dims and scale are its
+    first full (not sliding) MLA layer's; layers that differ get their own LayerDims.
+    A no-rope layer (mistral_large4) moves its rope width into P and keeps its scale:
+    transformers' module keeps qk_head_dim and widens q_pass/k_pass."""
+    layers = facts.layers
+    mla = [i for i, f in enumerate(layers) if f.mla]
+    if not mla:
+        raise ValueError(f"model config {name}: no MLA layer (every layer_types entry is linear attention)")
+    main = next((i for i in mla if not layers[i].sliding), mla[0])
 
+    def dims(f):
+        P, R = (f.P, f.R) if f.rope else (f.P + f.R, 0)
+        return f.L, R, P, f.V, f.num_heads
 
-def _kv_sources_from_dict(raw: dict, num_layers: int, name: str) -> dict:
-    """{layer: source} from `kv_source_layers` (mistral_large4: each layer's entry
-    names the layer whose latent cache it reads; its own index = its own cache)."""
-    src = raw.get("kv_source_layers")
-    if src is None:
-        return {}
-    if not isinstance(src, list) or len(src) != num_layers or not all(_is_int(j) for j in src):
-        raise ValueError(f"model config {name}: kv_source_layers must be a list of "
-                         f"{num_layers} layer indices; got {_short(src)}")
-    return {i: j for i, j in enumerate(src) if j != i}
+    model, top = layers[main], dims(layers[main])
+    layer_dims = {}
+    for i in mla:
+        f = layers[i]
+        if dims(f) != top or not math.isclose(f.scale.value, model.scale.value, rel_tol=1e-12):
+            note = "" if f.rope else " (no rope: the rope width joins P, the scale stays)"
+            layer_dims[i] = LayerDims(*dims(f), softmax_scale=f.scale.value,
+                                      softmax_scale_source=f"layer {i}: {f.scale.source}{note}")
+    sparse = None
+    if facts.sparse is not None:
+        from mla_ext.sparse.layer import SparseConfig  # not at import: mla_ext.sparse imports the layer
 
-
-def _short(value) -> str:
-    """repr of a config value, cut to a readable length (an int of 5,000 digits
-    cannot even be printed: Python refuses str() of it)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+        sparse = SparseConfig.from_facts(facts.sparse, name)
+    L, R, P, V, heads = top
+    return MLAModelConfig(
+        name=name, L=L, R=R, P=P, V=V, num_heads=heads, num_layers=len(layers),
+        max_model_len=facts.max_model_len, model_dtype=dtype, dtype_source=dtype_source,
+        sliding_window_layers=frozenset(i for i, f in enumerate(layers) if f.sliding),
+        softmax_scale=model.scale.value, softmax_scale_source=model.scale.source,
+        layer_dims=layer_dims, kv_source_layers=facts.kv_sources,
+        non_mla_layers=frozenset(i for i, f in enumerate(layers) if not f.mla),
+        sparse=sparse, sparse_layers=facts.sparse_layers if sparse is not None else frozenset(),
+        reader=facts.reader)
 
 
 def _model_dtype(raw: dict, name: str) -> tuple[torch.dtype, str]:
@@ -531,51 +521,27 @@ def _parse_dtype(value, name: str, key: str = "torch_dtype") -> torch.dtype:
         if dtype is not None:
             return dtype
     raise ValueError(
-        f"model config {name}: {key} must be one of {sorted(_DTYPE_NAMES)}; got {_short(value)}"
+        f"model config {name}: {key} must be one of {sorted(_DTYPE_NAMES)}; got {short(value)}"
     )
 
 
-def sliding_window_layers_from_dict(raw: dict, num_layers: int, name: str) -> frozenset:
-    """Which layers have a sliding window, from the HF conventions in use:
+class _Builtins(Mapping):
+    """The built-in configs by name, each read on first use (through transformers
+    where it is importable: reading all of them at import would import it)."""
 
-    - `layer_types`: one entry per layer; "sliding_attention" (any entry naming
-      "sliding") marks a windowed layer (newer transformers configs);
-    - otherwise a non-null `sliding_window` (and `use_sliding_window` not false):
-      with `max_window_layers` the layers at or above it are windowed (Qwen2
-      convention), with `sliding_window_pattern` n every layer except each n-th
-      (Gemma convention), else every layer.
-    """
-    if not _is_int(num_layers) or not 1 <= num_layers <= MAX_NUM_LAYERS:
-        raise ValueError(f"model config {name}: num_hidden_layers must be an integer >= 1 "
-                         f"and <= {MAX_NUM_LAYERS}; got {_short(num_layers)}")
-    types = raw.get("layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) != num_layers:
-            raise ValueError(
-                f"model config {name}: layer_types must be a list of {num_layers} entries "
-                f"(num_hidden_layers); got {_short(types)}"
-            )
-        return frozenset(i for i, t in enumerate(types) if "sliding" in str(t).lower())
-    if raw.get("sliding_window") is None or raw.get("use_sliding_window") is False:
-        return frozenset()
-    first = raw.get("max_window_layers")
-    if first is not None:
-        if not _is_int(first) or first < 0:
-            raise ValueError(
-                f"model config {name}: max_window_layers must be an integer >= 0; got {_short(first)}"
-            )
-        return frozenset(range(min(first, num_layers), num_layers))
-    pattern = raw.get("sliding_window_pattern")
-    if pattern is not None:
-        if not _is_int(pattern) or pattern < 1:
-            raise ValueError(
-                f"model config {name}: sliding_window_pattern must be an integer >= 1; "
-                f"got {_short(pattern)}"
-            )
-        return frozenset(i for i in range(num_layers) if (i + 1) % pattern != 0)
-    return frozenset(range(num_layers))
+    def __init__(self, raws: dict):
+        self._raws, self._done = raws, {}
+
+    def __getitem__(self, key: str) -> MLAModelConfig:
+        if key not in self._done:
+            self._done[key] = config_from_dict(self._raws[key], name=key)
+        return self._done[key]
+
+    def __iter__(self):
+        return iter(self._raws)
+
+    def __len__(self) -> int:
+        return len(self._raws)
 
 
-BUILTIN_MODELS: dict[str, MLAModelConfig] = {
-    name: config_from_dict(raw, name=name) for name, raw in _BUILTIN_JSON.items()
-}
+BUILTIN_MODELS: Mapping[str, MLAModelConfig] = _Builtins(_BUILTIN_JSON)

@@ -40,11 +40,22 @@ def base_scale(P: int, R: int) -> SoftmaxScale:
     return SoftmaxScale((P + R) ** -0.5, f"{_base_text(P, R)} (no rope scaling)")
 
 
+def nested_rope_keys(rope: dict, layer_types) -> list[str]:
+    """The keys a per-layer-type rope dict is nested under, by transformers' own rule
+    (PreTrainedConfig.nested_rope_parameter_keys): the keys that name a layer type the
+    config declares. Without layer_types, a dict whose values are all dicts is nested.
+    Other entries beside them (strings, numbers) do not make it flat."""
+    if layer_types:
+        return [k for k in rope if k in set(map(str, layer_types))]
+    return list(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else []
+
+
 def _rope_dict(raw: dict, name: str, layer_type: str | None = None) -> tuple[str | None, dict | None]:
     """The rope-scaling dict and the key it came from; transformers 5's
     `rope_parameters` wins over a leftover `rope_scaling`. transformers 5 also
     writes one dict per layer type ({"full_attention": {...}, "sliding_attention":
     {...}}): then the dict of `layer_type` (default: the first non-sliding one)."""
+    types = raw.get("layer_types") if isinstance(raw.get("layer_types"), list) else None
     for key in ("rope_parameters", "rope_scaling"):
         value = raw.get(key)
         if value is None:
@@ -52,9 +63,12 @@ def _rope_dict(raw: dict, name: str, layer_type: str | None = None) -> tuple[str
         if not isinstance(value, dict):
             raise ValueError(f"model config {name}: {key} must be an object (dict) or null; "
                              f"got {value!r}")
-        if value and all(isinstance(v, dict) for v in value.values()):
-            kinds = list(value)
-            pick = layer_type if layer_type in value else \
+        kinds = nested_rope_keys(value, types)
+        if kinds:
+            if not all(isinstance(value[k], dict) for k in kinds):
+                raise ValueError(f"model config {name}: {key}[{kinds[0]!r}] entries must be objects "
+                                 f"(dicts) per layer type; got {value!r}"[:300])
+            pick = layer_type if layer_type in kinds else \
                 next((k for k in kinds if "sliding" not in k), kinds[0])
             return f"{key}[{pick!r}]", value[pick]
         return key, value
@@ -92,15 +106,48 @@ def scale_from_config(raw: dict, P: int, R: int, name: str, *, layer_type: str |
     if kind == "default" or not rope.get("mscale_all_dim"):
         return SoftmaxScale(base.value, f"{_base_text(P, R)} ({key} type {kind!r} without "
                                         "mscale_all_dim: no softmax correction)")
-    where = f"{name} {key}"
+    return _yarn_scale(rope, P, R, kind, key, f"{name} {key}")
+
+
+def _yarn_scale(rope: dict, P: int, R: int, kind: str, key: str, where: str) -> SoftmaxScale:
+    """(P+R)^-0.5 x yarn_mscale(factor, mscale_all_dim)^2, with its derivation."""
     factor = _number(rope, "factor", where)
     if factor <= 0:
         raise ValueError(f"model config {where}: factor must be > 0; got {factor!r}")
     mscale_all_dim = _number(rope, "mscale_all_dim", where)
     m = yarn_mscale(factor, mscale_all_dim)
-    value = base.value * m * m
+    value = (P + R) ** -0.5 * m * m
     return SoftmaxScale(
         value,
         f"(P+R)^-0.5 x mscale^2 = ({P}+{R})^-0.5 x {m:.6g}^2 = {value:.5f} "
         f"({kind} from {key}: factor {factor:g}, mscale_all_dim {mscale_all_dim:g})",
     )
+
+
+def module_scale(rope, qk_nope: int, qk_rope: int, family, where: str, *,
+                 layer_types=None) -> SoftmaxScale:
+    """The scale a transformers MLA family's attention module sets (`self.scaling`):
+    `qk_head_dim ** -0.5`, times `yarn_get_mscale(factor, mscale_all_dim) ** 2` when
+    the family applies it (`yarn_apply_mscale(config.rope_parameters, ...)`: the
+    config's own rope dict, standardised, whose `rope_type` is not "default" and whose
+    `mscale_all_dim` is non-zero). `rope` is that dict as transformers holds it (both
+    config readers pass it standardised: mla_ext.config_hf, mla_ext.config_dict).
+    `qk_nope`/`qk_rope` are the layer's config widths (a no-rope layer keeps them)."""
+    base = base_scale(qk_nope, qk_rope)
+    if not family.yarn_in_scale:
+        return SoftmaxScale(base.value, f"{_base_text(qk_nope, qk_rope)} ({family.model_type}'s "
+                                        "attention never applies a yarn correction to its scale)")
+    if not isinstance(rope, dict):
+        return base
+    nested = nested_rope_keys(rope, layer_types)
+    if nested and "rope_type" not in rope:
+        # Its rotary embedding and its scale read rope_parameters["rope_type"]: one dict,
+        # not one per layer type (transformers' module cannot even be built from this).
+        raise ValueError(f"model config {where}: rope_parameters is per layer type ({nested}), but "
+                         f"{family.model_type}'s attention reads one rope dict (rope_parameters"
+                         "['rope_type'], 'factor', 'mscale_all_dim'); write that one dict")
+    kind = rope.get("rope_type", "default")
+    if kind == "default" or not rope.get("mscale_all_dim", 0):
+        return SoftmaxScale(base.value, f"{_base_text(qk_nope, qk_rope)} (rope_parameters type "
+                                        f"{kind!r} without mscale_all_dim: no softmax correction)")
+    return _yarn_scale(rope, qk_nope, qk_rope, kind, "rope_parameters", f"{where} rope_parameters")

@@ -21,7 +21,7 @@ request-local positions, -1 padded: `layer.last_selection` of another layer), wh
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -56,17 +56,27 @@ class SparseConfig:
         get_index_format(self.index_cache_dtype)
 
     @classmethod
-    def from_config(cls, raw, **overrides) -> "SparseConfig | None":
-        """From a model config (dict or transformers config); None when it has no indexer."""
-        if not isinstance(raw, dict):
-            raw = raw.to_dict() if hasattr(raw, "to_dict") else vars(raw)
-        present = [k for k in SPARSE_KEYS if raw.get(k) is not None]
-        if not present:
-            return None
-        if len(present) != len(SPARSE_KEYS):
-            raise ValueError(f"model config: a sparse (DSA) config needs all of {SPARSE_KEYS}, has only {present}")
-        kw = {k: raw[k] for k in SPARSE_KEYS}
-        kw["rope_interleaved"] = ROPE_INTERLEAVED.get(raw.get("model_type"))
+    def from_config(cls, config, **overrides) -> "SparseConfig | None":
+        """From any model config: a config dict (DSA fields at top level or under text_config),
+        a transformers PretrainedConfig, an mla_ext MLAModelConfig (its own `sparse`); None for
+        a dense model. A sparse family's config reads its config class's defaults where a field
+        is absent (mla_ext.models.sparse_fields). A ValueError naming `config` for anything else."""
+        from mla_ext.models import MLAModelConfig, sparse_fields
+
+        if isinstance(config, MLAModelConfig):
+            own = config.sparse
+            return own if own is None or not overrides else replace(own, **overrides)
+        fields = sparse_fields(config, "config")
+        return None if fields is None else cls.from_facts(fields, "config", **overrides)
+
+    @classmethod
+    def from_facts(cls, fields: dict, name: str, **overrides) -> "SparseConfig":
+        """From the indexer's fields a config reader gives (mla_ext.config_facts.ConfigFacts.sparse)."""
+        kw = {k: fields[k] for k in SPARSE_KEYS}
+        for k, v in kw.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model config {name}: {k} must be a positive integer; got {v!r}")
+        kw["rope_interleaved"] = ROPE_INTERLEAVED.get(fields.get("model_type"))
         kw.update(overrides)
         return cls(**kw)
 
