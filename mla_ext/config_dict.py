@@ -130,6 +130,10 @@ def precheck(raw: dict, family, name: str) -> None:
         _check_longcat(raw, name)
     if family is not None and family.model_type == "kimi_linear":
         _kimi_layer_types(raw, n, name)  # its checks
+    if family is not None and family.reads_kv_source_layers and raw.get("kv_source_layers") is not None:
+        check_kv_sources(raw["kv_source_layers"], n, name)
+    if family is not None and family.reads_no_rope_layers and raw.get("no_rope_layers") is not None:
+        check_no_rope(raw["no_rope_layers"], n, name)
     for key in ("rope_parameters", "rope_scaling"):
         if raw.get(key) is not None and not isinstance(raw[key], dict):
             raise ValueError(f"model config {name}: {key} must be an object (dict) or null; got "
@@ -327,7 +331,8 @@ def facts_from_dict(raw: dict, family, name: str) -> ConfigFacts:
     if family.reads_kv_source_layers and raw.get("kv_source_layers") is not None:
         sources = check_kv_sources(raw["kv_source_layers"], n, name)
     return ConfigFacts(tuple(layers), max_len, sources, sparse_fields(raw, family, name),
-                       sparse_layers(layers, family), reader="mla_ext's config reader")
+                       sparse_layers(layers, family), reader="mla_ext's config reader",
+                       attention_per_layer=family.attention_per_layer)
 
 
 def sparse_fields(raw: dict, family, name: str) -> dict | None:

@@ -58,3 +58,4 @@ class ConfigFacts:
     sparse: dict | None = None
     sparse_layers: frozenset = frozenset()  # the layers that run the indexer's selection
     reader: str = ""  # which reader gave these facts (describe())
+    attention_per_layer: int = 1  # MLA modules per decoder layer (longcat_flash: 2)

@@ -130,7 +130,8 @@ def facts_from_hf(cfg, family, name: str) -> ConfigFacts:
     sparse = sparse_fields_hf(text, family)
     max_len = _int(text, "max_position_embeddings", name, "")
     return ConfigFacts(tuple(layers), max_len, sources, sparse, sparse_layers(layers, family),
-                       reader=f"transformers' {type(text).__name__}")
+                       reader=f"transformers' {type(text).__name__}",
+                       attention_per_layer=family.attention_per_layer)
 
 
 def sparse_fields_hf(cfg, family) -> dict | None:

@@ -49,6 +49,9 @@ class Family:
     # other families ignore them, so mla_ext's readers do too).
     reads_no_rope_layers: bool = False
     reads_kv_source_layers: bool = False
+    # MLA modules per decoder layer: longcat_flash has two (self_attn[0], self_attn[1]);
+    # transformers and vLLM number them 2*d + k, which is mla_ext's layer index.
+    attention_per_layer: int = 1
     note: str = ""
 
 
@@ -74,7 +77,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _f("hy_v4", "HYV4Attention", sparse=True, sinks=True),
     _f("kimi_linear", "KimiLinearAttention", yarn_in_scale=False,
        note="no rotary embedding; MLA on its full_attention layers only"),
-    _f("longcat_flash", "LongcatFlashMLA", note="latents rescaled"),
+    _f("longcat_flash", "LongcatFlashMLA", attention_per_layer=2,
+       note="latents rescaled; two MLA sublayers per decoder layer"),
     _f("minicpm3", "MiniCPM3Attention"),
     _f("mistral4", "Mistral4Attention", note="position-dependent query temperature"),
     _f("mistral_large4", "MistralLarge4TextAttention", sparse=True, reads_no_rope_layers=True,

@@ -18,7 +18,7 @@ import torch
 from mla_ext.builtin_configs import FAMILY_BUILTINS
 from mla_ext.config_dict import MAX_NUM_LAYERS, facts_from_dict, is_int, precheck, short, text_dict
 from mla_ext.config_dict import sparse_fields as dict_sparse_fields
-from mla_ext.config_dict import sliding_window_layers_from_dict  # noqa: F401  (public before)
+from mla_ext import config_dict
 from mla_ext.config_hf import facts_from_hf, hf_config_from_dict, sparse_fields_hf, transformers_reader_enabled
 from mla_ext.families import family_of
 from mla_ext.formats import MODEL_DTYPES
@@ -98,17 +98,27 @@ class MLAModelConfig:
     sparse: object = None
     sparse_layers: frozenset = field(default_factory=frozenset)
     reader: str = ""  # which config reader read it (mla_ext.config_hf / config_dict), or ""
+    # MLA modules per decoder layer. LongCat-Flash has two (self_attn[0] and [1] of each
+    # decoder layer); transformers (layer_idx = 2*d + k) and vLLM (extract_layer_index with
+    # num_attn_module=2) number them 2*d + k, and so does mla_ext: num_layers counts MLA
+    # modules (transformers' num_hidden_layers = 2 * num_layers), a layer index is 2*d + k,
+    # a prefix "model.layers.{d}.self_attn.{k}" names layer 2*d + k (policy._layer_index).
+    attention_per_layer: int = 1
 
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise ValueError(f"name: expected a str (the model's name), got "
                              f"{type(self.name).__name__}")
-        for arg in ("L", "P", "V", "num_heads", "num_layers", "max_model_len", "tp_size"):
+        for arg in ("L", "P", "V", "num_heads", "num_layers", "max_model_len", "tp_size",
+                    "attention_per_layer"):
             _check_int(arg, getattr(self, arg), minimum=1, where=self.name)
         if self.num_layers > MAX_NUM_LAYERS:
             raise ValueError(f"{self.name}: num_layers must be an integer <= {MAX_NUM_LAYERS} "
                              f"(models.MAX_NUM_LAYERS); got {short(self.num_layers)}")
         _check_int("R", self.R, minimum=0, where=self.name)
+        if self.num_layers % self.attention_per_layer:
+            raise ValueError(f"{self.name}: num_layers ({self.num_layers}) must be a multiple of "
+                             f"attention_per_layer ({self.attention_per_layer})")
         _check_int("tp_rank", self.tp_rank, minimum=0, where=self.name)
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"{self.name}: tp_rank must be in [0, {self.tp_size}); "
@@ -491,7 +501,7 @@ def _assemble(name: str, facts, dtype: torch.dtype, dtype_source: str) -> MLAMod
             layer_dims[i] = LayerDims(*dims(f), softmax_scale=f.scale.value,
                                       softmax_scale_source=f"layer {i}: {f.scale.source}{note}")
     sparse = None
-    if facts.sparse is not None:
+    if facts.sparse is not None and facts.sparse_layers:  # (no layer with an indexer: dense)
         from mla_ext.sparse.layer import SparseConfig  # not at import: mla_ext.sparse imports the layer
 
         sparse = SparseConfig.from_facts(facts.sparse, name)
@@ -504,7 +514,7 @@ def _assemble(name: str, facts, dtype: torch.dtype, dtype_source: str) -> MLAMod
         layer_dims=layer_dims, kv_source_layers=facts.kv_sources,
         non_mla_layers=frozenset(i for i, f in enumerate(layers) if not f.mla),
         sparse=sparse, sparse_layers=facts.sparse_layers if sparse is not None else frozenset(),
-        reader=facts.reader)
+        reader=facts.reader, attention_per_layer=facts.attention_per_layer)
 
 
 def _model_dtype(raw: dict, name: str) -> tuple[torch.dtype, str]:
@@ -523,6 +533,12 @@ def _parse_dtype(value, name: str, key: str = "torch_dtype") -> torch.dtype:
     raise ValueError(
         f"model config {name}: {key} must be one of {sorted(_DTYPE_NAMES)}; got {short(value)}"
     )
+
+
+def sliding_window_layers_from_dict(raw: dict, num_layers: int, name: str) -> frozenset:
+    """Which layers of a config of no transformers family have a sliding window
+    (mla_ext.config_dict.sliding_window_layers_from_dict: the HF conventions)."""
+    return config_dict.sliding_window_layers_from_dict(raw, num_layers, name)
 
 
 class _Builtins(Mapping):

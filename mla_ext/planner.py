@@ -269,6 +269,14 @@ def plan_pool(
     if orphans:
         raise ValueError(f"layer_specs: layers {orphans} read another layer's KV (kv_source) "
                          "that is not among the specs")
+    by_index = {s.layer_index: s for s in specs}
+    for s in specs:  # a KV-sharing layer reads its source's rows: same entry and format
+        src = by_index.get(s.kv_source)
+        if src is not None and (s.L, s.R, s.format.name, s.storage_dtype) != \
+                (src.L, src.R, src.format.name, src.storage_dtype):
+            raise ValueError(f"layer_specs: layer {s.layer_index} reads layer {src.layer_index}'s KV cache "
+                             f"(kv_source) but its entry L={s.L} R={s.R} {s.format.name} differs from layer "
+                             f"{src.layer_index}'s L={src.L} R={src.R} {src.format.name}")
     sizes = {s.block_size for s in specs}
     if len(sizes) != 1:
         raise ValueError(

@@ -75,24 +75,37 @@ def parse_skip_entry(entry) -> int | str:
     return index
 
 
-def layer_index_from_prefix(prefix: str) -> int:
+def layer_index_from_prefix(prefix: str, attention_per_layer: int = 1) -> int:
     """The layer index in a module prefix: `model.layers.12.self_attn.attn` -> 12.
 
     The prefix must have exactly one all-digit component; with none or several
     (e.g. an expert index too) the index is ambiguous and the caller must pass it.
+    A model with several MLA modules per decoder layer (LongCat-Flash: 2) may name
+    one as `model.layers.{d}.self_attn.{k}`: layer d * attention_per_layer + k, as
+    transformers and vLLM (extract_layer_index) number them.
     """
     if not isinstance(prefix, str):
         raise ValueError(f"prefix: expected a module name (str), got {type(prefix).__name__}")
     found = [p for p in prefix.split(".") if _DECIMAL.fullmatch(p)]
-    if len(found) != 1:
+    pair = attention_per_layer > 1 and len(found) == 2 and "attn" in prefix
+    if len(found) != 1 and not pair:
         raise ValueError(
-            f"prefix {prefix!r}: expected exactly one integer component (the layer index), "
-            f"found {len(found)}; pass the layer index explicitly"
+            f"prefix {prefix!r}: expected exactly one integer component (the layer index)"
+            + (f" or two (decoder layer, attention module < {attention_per_layer})"
+               if attention_per_layer > 1 else "")
+            + f", found {len(found)}; pass the layer index explicitly"
         )
-    if len(found[0]) > 9:  # no model has a billion layers; int() of 5,000 digits raises
-        raise ValueError(f"prefix {prefix[:80]!r}: layer index {found[0][:20]}... has {len(found[0])} "
-                         "digits; expected a layer index below 10**9")
-    return int(found[0])
+    for part in found:
+        if len(part) > 9:  # no model has a billion layers; int() of 5,000 digits raises
+            raise ValueError(f"prefix {prefix[:80]!r}: layer index {part[:20]}... has {len(part)} "
+                             "digits; expected a layer index below 10**9")
+    if not pair:
+        return int(found[0])
+    decoder, module = int(found[0]), int(found[1])
+    if module >= attention_per_layer:
+        raise ValueError(f"prefix {prefix!r}: attention module {module} of decoder layer {decoder}; "
+                         f"the model has {attention_per_layer} per decoder layer (0..{attention_per_layer - 1})")
+    return decoder * attention_per_layer + module
 
 
 @dataclass(frozen=True)
@@ -237,7 +250,7 @@ def _layer_index(model: MLAModelConfig, layer, prefix) -> int:
     if layer is not None:
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise ValueError(f"layer: expected an integer index, got {layer!r}")
-    from_prefix = None if prefix is None else layer_index_from_prefix(prefix)
+    from_prefix = None if prefix is None else layer_index_from_prefix(prefix, model.attention_per_layer)
     if layer is not None and from_prefix is not None and layer != from_prefix:
         raise ValueError(f"layer {layer} disagrees with prefix {prefix!r} (layer {from_prefix})")
     index = layer if layer is not None else from_prefix
@@ -248,6 +261,20 @@ def _layer_index(model: MLAModelConfig, layer, prefix) -> int:
             f"(layers 0..{model.num_layers - 1})"
         )
     return index
+
+
+def _check_kv_source(model: MLAModelConfig, layer: int, source: int) -> None:
+    """A KV-sharing layer reads its source layer's latent rows as its own kv_c (L) and
+    k_pe (R): refused here, naming both layers, when the source is not MLA or its entry
+    has other dims (the gather would read rows of the wrong width)."""
+    if source in model.non_mla_layers:
+        raise ValueError(f"layer {layer} of {model.name} reads layer {source}'s KV cache (kv_source_layers), "
+                         f"but layer {source} is not an MLA layer (linear attention): it has no MLA cache")
+    own, theirs = model.for_layer(layer), model.for_layer(source)
+    if (own.L, own.R) != (theirs.L, theirs.R):
+        raise ValueError(f"layer {layer} of {model.name} reads layer {source}'s KV cache (kv_source_layers), "
+                         f"but its dims L={own.L} R={own.R} differ from layer {source}'s L={theirs.L} "
+                         f"R={theirs.R}: a shared cache needs the same latent and rope widths")
 
 
 def check_configs(cache_config, model_config, cache_arg: str = "cache_config",
@@ -278,6 +305,7 @@ def resolve_layer(
                          "layer_types entry is linear attention): it has no MLA cache")
     source = model_config.kv_source(index)
     if source is not None:  # it reads its source's cache: the source's format and entry
+        _check_kv_source(model_config, index, source)
         return replace(resolve_layer(cache_config, model_config, layer=source),
                        layer_index=index, kv_source=source)
     full, model_config = model_config, model_config.for_layer(index)  # its own L, R size its entry

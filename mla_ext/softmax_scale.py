@@ -139,10 +139,12 @@ def module_scale(rope, qk_nope: int, qk_rope: int, family, where: str, *,
                                         "attention never applies a yarn correction to its scale)")
     if not isinstance(rope, dict):
         return base
-    nested = nested_rope_keys(rope, layer_types)
-    if nested and "rope_type" not in rope:
-        # Its rotary embedding and its scale read rope_parameters["rope_type"]: one dict,
-        # not one per layer type (transformers' module cannot even be built from this).
+    nested = [k for k, v in rope.items() if isinstance(v, dict) and
+              (k in (layer_types or ()) or k.endswith("_attention"))]
+    if nested:
+        # Its rotary embedding and its scale read rope_parameters["rope_type"]: one dict, not
+        # one per layer type. transformers reads such a dict as a flat "default" one (its
+        # class declares no layer types), silently dropping the yarn inside: refused.
         raise ValueError(f"model config {where}: rope_parameters is per layer type ({nested}), but "
                          f"{family.model_type}'s attention reads one rope dict (rope_parameters"
                          "['rope_type'], 'factor', 'mscale_all_dim'); write that one dict")
