@@ -134,6 +134,13 @@ def test_the_reader_switch():
         set_transformers_reader("yes")
 
 
+def tiny(family: str, **kw) -> dict:
+    """A small raw config of `family` (4 layers unless `num_hidden_layers` says otherwise)."""
+    return {"model_type": family, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+            "q_lora_rank": 48, "num_hidden_layers": 4, "max_position_embeddings": 4096, **kw}
+
+
 # The spellings and defaults the readers once read differently from transformers, each
 # pinned (both readers, so the fallback cannot drift either).
 SPELLINGS = {
@@ -156,9 +163,7 @@ SPELLINGS = {
 def test_checkpoint_spellings_and_defaults(key, reader):
     family = key.split("/")[0]
     extra, want = SPELLINGS[key]
-    raw = {"model_type": family, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
-           "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
-           "q_lora_rank": 48, "num_hidden_layers": 8, "max_position_embeddings": 4096, **extra}
+    raw = tiny(family, num_hidden_layers=8, **extra)
     if "num_layers" in extra:
         del raw["num_hidden_layers"]
     with transformers_reader(reader):
@@ -178,9 +183,7 @@ def test_checkpoint_spellings_and_defaults(key, reader):
 
 @pytest.mark.parametrize("reader", [True, False], ids=["transformers", "fallback"])
 def test_mistral4_default_rope_is_its_yarn(reader):
-    raw = {"model_type": "mistral4", "hidden_size": 64, "num_attention_heads": 2, "kv_lora_rank": 64,
-           "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "num_hidden_layers": 2,
-           "max_position_embeddings": 4096}
+    raw = tiny("mistral4")
     with transformers_reader(reader):
         m = config_from_dict(raw, "m4")
     m4 = 0.1 * __import__("math").log(128.0) + 1
@@ -198,9 +201,7 @@ def test_rope_scaling_wins_over_rope_parameters_as_in_transformers(reader):
 
 @pytest.mark.parametrize("reader", [True, False], ids=["transformers", "fallback"])
 def test_refusals_both_readers_share(reader):
-    base = {"model_type": "mistral_large4", "hidden_size": 64, "num_attention_heads": 2, "kv_lora_rank": 64,
-            "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "num_hidden_layers": 4,
-            "max_position_embeddings": 4096}
+    base = tiny("mistral_large4")
     with transformers_reader(reader):
         # transformers refuses a KV source after the layer, or one that reads another's KV.
         for src in ([0, 1, 3, 3], [0, 0, 1, 3]):
