@@ -24,6 +24,10 @@ from mla_ext.softmax_scale import module_scale, scale_from_config
 # and Kimi-K2 61); 1024 leaves an order of magnitude of room.
 MAX_NUM_LAYERS = 1024
 
+# A head dim, latent rank or head count past this is no model's (DeepSeek-V3: L=512,
+# 128 heads) but a corrupt value, refused before anything sizes a tensor by it.
+MAX_DIM = 1 << 16
+
 REQUIRED_KEYS = {
     "L": "kv_lora_rank",
     "R": "qk_rope_head_dim",
@@ -119,9 +123,10 @@ def precheck(raw: dict, family, name: str) -> None:
             continue
         if not is_int(value):
             raise ValueError(f"model config {name}: {spelled} must be an integer; got {short(value)}")
-        low = 0 if arg == "R" else 1
-        if value < low:
-            raise ValueError(f"model config {name}: {spelled} must be an integer >= {low}; got {short(value)}")
+        if arg not in ("num_layers", "max_model_len"):
+            check_dim(spelled, value, name, low=0 if arg == "R" else 1)
+        elif value < 1:
+            raise ValueError(f"model config {name}: {spelled} must be an integer >= 1; got {short(value)}")
     n = num_layers(raw, family, name)
     if not 1 <= n <= MAX_NUM_LAYERS:
         raise ValueError(f"model config {name}: num_hidden_layers must be an integer >= 1 and <= "
@@ -134,10 +139,36 @@ def precheck(raw: dict, family, name: str) -> None:
         check_kv_sources(raw["kv_source_layers"], n, name)
     if family is not None and family.reads_no_rope_layers and raw.get("no_rope_layers") is not None:
         check_no_rope(raw["no_rope_layers"], n, name)
+    if family is not None:
+        _check_patterns(raw, family, n, name)
     for key in ("rope_parameters", "rope_scaling"):
         if raw.get(key) is not None and not isinstance(raw[key], dict):
             raise ValueError(f"model config {name}: {key} must be an object (dict) or null; got "
                              f"{short(raw[key])}")
+
+
+def check_dim(key: str, value, name: str, low: int = 1) -> None:
+    if not is_int(value) or not low <= value <= MAX_DIM:
+        raise ValueError(f"model config {name}: {key} must be an integer in [{low}, {MAX_DIM}] "
+                         f"(config_dict.MAX_DIM); got {short(value)}")
+
+
+def _check_patterns(raw: dict, family, n: int, name: str) -> None:
+    """A family config's layer pattern and per-layer dims, checked before transformers
+    reads them (its refusals of these name no field, or come from deep inside)."""
+    kinds = _given_layer_types(raw, n, name)
+    if kinds is not None:
+        if all(t == "linear_attention" for t in kinds):
+            raise ValueError(f"model config {name}: layer_types has no MLA layer (every entry is "
+                             "linear_attention)")
+    if family.model_type == "dots3_note":
+        for key in tuple(PER_LAYER_KEYS.values()) + ("head_dim",):
+            if raw.get(f"swa_{key}") is not None:
+                check_dim(f"swa_{key}", raw[f"swa_{key}"], name, low=0 if key == "qk_rope_head_dim" else 1)
+    for i, over in _per_layer(raw, family, ["full_attention"] * n, n, name).items():
+        for key in PER_LAYER_KEYS.values():
+            if over.get(key) is not None:
+                check_dim(f"per_layer_config[{i}].{key}", over[key], name, low=0 if key == "qk_rope_head_dim" else 1)
 
 
 def num_layers(raw: dict, family, name: str) -> int:
@@ -188,19 +219,29 @@ def _kimi_layer_types(raw: dict, n: int, name: str) -> list | None:
     return types
 
 
+def _given_layer_types(raw: dict, n: int, name: str) -> list | None:
+    """A family config's own layer_types, in transformers' names (legacy ones remapped),
+    or None where it has none."""
+    types = raw.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != n:
+        raise ValueError(f"model config {name}: layer_types must be a list of {n} entries "
+                         f"(num_hidden_layers); got {short(types)}")
+    types = [LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types]
+    bad = sorted({short(t) for t in types if t not in ALLOWED_LAYER_TYPES})
+    if bad:
+        raise ValueError(f"model config {name}: layer_types entries must be in {ALLOWED_LAYER_TYPES}; "
+                         f"got {bad}")
+    return types
+
+
 def _layer_types(raw: dict, family, n: int, name: str) -> list[str]:
     """Every layer's type as the family's config class sets it (its defaults and spellings)."""
-    mt = family.model_type if family else None
-    types = raw.get("layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) != n:
-            raise ValueError(f"model config {name}: layer_types must be a list of {n} entries "
-                             f"(num_hidden_layers); got {short(types)}")
-        types = [LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types]
-        if family is not None and not all(t in ALLOWED_LAYER_TYPES for t in types):
-            bad = sorted({short(t) for t in types if t not in ALLOWED_LAYER_TYPES})
-            raise ValueError(f"model config {name}: layer_types entries must be in "
-                             f"{ALLOWED_LAYER_TYPES}; got {bad}")
+    mt = family.model_type
+    types = _given_layer_types(raw, n, name)
+    if types is not None:  # written out: the family's default patterns below do not apply
+        types = list(types)
     elif mt == "kimi_linear":
         types = _kimi_layer_types(raw, n, name) or \
             ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]

@@ -433,6 +433,9 @@ def config_from_dict(raw, name: str = "") -> MLAModelConfig:
 def config_from_hf(cfg, name: str = "") -> MLAModelConfig:
     """The MLA model of a transformers config object (e.g. `module.config`): read from
     the object itself for a family's config, from its to_dict() otherwise."""
+    if not callable(getattr(cfg, "to_dict", None)) or not hasattr(cfg, "model_type"):
+        raise ValueError(f"cfg: expected a transformers PretrainedConfig (with model_type and "
+                         f"to_dict), got {type(cfg).__name__}")
     get_text = getattr(cfg, "get_text_config", None)
     text = get_text(decoder=True) if callable(get_text) else cfg
     family = family_of(getattr(text, "model_type", None)) or family_of(getattr(cfg, "model_type", None))
