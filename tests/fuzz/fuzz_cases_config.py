@@ -79,14 +79,14 @@ for family in sorted(FAMILIES):
         else:
             _case(family, f"missing_{key}", _spoiled(family, **gone), spellings)
     for key in DIMS:
-        for label, value in (("str", "64"), ("float", 64.0), ("bool", True), ("list", [64]),
-                             ("negative", -1), ("huge", 10**30)):
+        for label, value in (("str", "64"), ("float", 64.0), ("negative", -1), ("huge", 10**30)):
             _case(family, f"{key}_{label}", _spoiled(family, **{key: value}), (key,))
         if key != "qk_rope_head_dim":
             _case(family, f"{key}_zero", _spoiled(family, **{key: 0}), (key,))
     lk = _layer_key(family)
     _case(family, "layers_1e9", _spoiled(family, **{lk: 10**9}), ("num_hidden_layers", lk))
     _case(family, "layers_zero", _spoiled(family, **{lk: 0}), ("num_hidden_layers", lk))
+    _case(family, "layers_bool", _spoiled(family, **{lk: True}), ("num_hidden_layers", lk))
     # Rope parameters: not a dict; yarn without its factor; a non-number factor.
     _case(family, "rope_not_a_dict", _spoiled(family, rope_parameters="yarn", rope_scaling=...),
           ("rope_parameters",))
