@@ -120,3 +120,16 @@ def test_plan_pool_refuses_a_kv_source_spec_of_other_dims():
     specs[2] = replace(specs[2], L=32, entry_elems=48, bytes_per_token=96)
     with pytest.raises(ValueError, match="layer_specs: layer 2 reads layer 0's KV cache"):
         plan_pool(specs, 1 << 24)
+
+
+def test_without_transformers_every_builtin_reads_with_mla_ext_s_reader(monkeypatch):
+    import mla_ext.config_hf as hf
+
+    monkeypatch.setattr(hf, "_AVAILABLE", False)  # as if transformers did not import
+    monkeypatch.setattr(hf, "_FORCED", None)
+    assert not hf.transformers_reader_enabled()
+    with pytest.raises(ImportError, match="transformers cannot be imported"):
+        hf.set_transformers_reader(True)
+    models = {name: config_from_dict(raw, name) for name, raw in _BUILTIN_JSON.items()}
+    assert {m.reader for m in models.values()} == {"mla_ext's config reader"}
+    assert models["glm-5"].sparse is not None and models["longcat-flash-chat"].num_layers == 56
