@@ -22,8 +22,9 @@ from mla_ext.models import get_model_config
 from mla_ext.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.sparse.index_cache import get_index_format, write_index_cache
+from mla_ext.prefill.synthetic import SyntheticBatch
 from mla_ext.sparse.layer import IndexInputs, SparseConfig
-from prefill_data import BLOCK, TINY, Batch
+from prefill_data import BLOCK, TINY
 
 TOPK, INDEX_HEADS, INDEX_DIM = 8, 2, 16
 SPARSE = SparseConfig(TOPK, INDEX_HEADS, INDEX_DIM, index_cache_dtype="float32")
@@ -32,6 +33,17 @@ SOURCES = ("given", "model_config")
 BUILTIN_SPARSE = ("deepseek-v3.2", "glm-5")
 PAST = dict(ctx=[12, 0, 5], qlens=[2, 3, 4])  # request 0 (and 2) past index_topk = 8
 WITHIN = dict(ctx=[4, 0, 3], qlens=[2, 3, 4])  # every request within it
+
+
+def past(topk: int) -> dict:
+    """A batch with requests past index_topk (0 and 2) and one within (1)."""
+    return dict(ctx=[topk + 4, 0, topk - 3], qlens=[2, 3, 4])
+
+
+def available_sources() -> list[str]:
+    """SOURCES, and the built-in sparse models whose config the config reader gives a SparseConfig."""
+    return list(SOURCES) + [f"builtin:{n}" for n in BUILTIN_SPARSE
+                            if SparseConfig.from_config(get_model_config(n)) is not None]
 
 
 @contextlib.contextmanager
@@ -74,23 +86,24 @@ def sparse_layer(source: str, fmt: str = "auto", **kw) -> MLAPrefill:
 
 
 def batch_for(layer: MLAPrefill, ctx, qlens, seed: int = 0):
-    """(q, kv_c_normed, k_pe, kv_cache, metadata, index inputs with a float32 index cache) of a
-    random batch of the TINY model in `layer`'s cache format."""
-    batch = Batch(ctx_lens=list(ctx), q_lens=list(qlens), seed=seed)
+    """(q, kv_c_normed, k_pe, kv_cache, metadata, indexer inputs with an index cache in the layer's
+    index_cache_dtype) of a random batch of `layer`'s model in its cache format."""
+    batch = SyntheticBatch(layer.model, list(ctx), list(qlens), BLOCK, seed=seed)
     k_scale = torch.tensor([0.02]) if layer.spec.is_quantized else None
-    cache = batch.fill_cache(layer, k_scale)
+    cache = batch.fill_cache(layer, *batch.layer_context(layer.layer_index), k_scale)
     meta = PrefillMetadata(batch.block_table, batch.ctx_lens, batch.q_lens, k_scale, block_size=BLOCK)
-    return batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta, index_inputs(batch, cache.shape[0], seed)
+    return batch.q, batch.kv_c_new, batch.k_pe_new, cache, meta, index_inputs(layer, batch, cache.shape[0], seed)
 
 
-def index_inputs(batch: Batch, num_blocks: int, seed: int) -> IndexInputs:
-    """Random indexer inputs of the new tokens and a float32 index cache holding the context's keys
-    at the same slots as the latent rows (batch.slots)."""
+def index_inputs(layer: MLAPrefill, batch: SyntheticBatch, num_blocks: int, seed: int) -> IndexInputs:
+    """Random indexer inputs of the new tokens and an index cache holding the context's keys at the
+    same slots as the latent rows (batch.slots)."""
     gen = torch.Generator().manual_seed(100 + seed)
-    T = sum(batch.q_lens)
-    cache = get_index_format("float32").empty(num_blocks, BLOCK, INDEX_DIM).zero_()
+    T, H, D = sum(batch.q_lens), layer.sparse.index_n_heads, layer.sparse.index_head_dim
+    fmt = layer.sparse.index_cache_dtype
+    cache = get_index_format(fmt).empty(num_blocks, BLOCK, D, D).zero_()
     n_ctx = sum(batch.ctx_lens)
     if n_ctx:
-        write_index_cache(torch.randn(n_ctx, INDEX_DIM, generator=gen), cache, torch.cat(batch.slots), "float32")
-    return IndexInputs(torch.randn(T, INDEX_HEADS, INDEX_DIM, generator=gen), torch.rand(T, INDEX_HEADS, generator=gen),
-                       torch.randn(T, INDEX_DIM, generator=gen), cache)
+        write_index_cache(torch.randn(n_ctx, D, generator=gen), cache, torch.cat(batch.slots), fmt)
+    return IndexInputs(torch.randn(T, H, D, generator=gen), torch.rand(T, H, generator=gen),
+                       torch.randn(T, D, generator=gen), cache)
