@@ -88,7 +88,7 @@ from mla_ext.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.synthetic import SyntheticBatch
 from mla_ext.sparse import from_transformers as sparse_tx
-from mla_ext.sparse.index_cache import IndexCacheSpec, write_index_cache
+from mla_ext.sparse.index_cache import IndexCacheSpec, get_index_format, write_index_cache
 from mla_ext.sparse.layer import IndexInputs, SparseConfig
 
 # Attention class -> (its transformers module, its rotary embedding class or None).
@@ -455,9 +455,9 @@ class TransformersMLA:
         of the latent cache's block size; None for a layer that keeps none."""
         if self.indexer is None:
             return None
-        D = self.sparse.index_head_dim
-        return IndexCacheSpec(self.prefill.layer_index, self.sparse.index_cache_dtype, D,
-                              self.prefill.spec.block_size, D if self.sparse.index_cache_dtype == "fp8" else None)
+        D, fmt = self.sparse.index_head_dim, self.sparse.index_cache_dtype
+        q = D if get_index_format(fmt).quantized else None  # one fp32 scale per token (vLLM's layout)
+        return IndexCacheSpec(self.prefill.layer_index, fmt, D, self.prefill.spec.block_size, q)
 
     @property
     def last_selection(self) -> Tensor | None:
@@ -605,11 +605,11 @@ class TransformersMLA:
 def _sparse_config(module, index_cache_dtype: str | None) -> SparseConfig | None:
     """The SparseConfig of a DSA module mla_ext runs sparse (its class has an indexer mla_ext
     computes: mla_ext.sparse.from_transformers.INDEXER_ROPE_INTERLEAVED), in `index_cache_dtype`
-    (default bfloat16); None for any other module, which then takes no index_cache_dtype."""
+    (default bfloat16; checked); None for any other module, which keeps no index cache (so one call
+    with index_cache_dtype= serves every family: the format applies where there is an indexer)."""
     if type(module).__name__ not in sparse_tx.INDEXER_ROPE_INTERLEAVED:
         if index_cache_dtype is not None:
-            raise ValueError(f"index_cache_dtype: {type(module).__name__} keeps no index cache mla_ext runs "
-                             f"(sparse runs: {', '.join(sorted(sparse_tx.INDEXER_ROPE_INTERLEAVED))}); pass None")
+            get_index_format(index_cache_dtype)  # a misspelt format is an error on every module
         return None
     sparse = SparseConfig.from_config(module.config, index_cache_dtype=index_cache_dtype or "bfloat16")
     if sparse is None:
