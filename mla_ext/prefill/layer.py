@@ -264,10 +264,10 @@ class MLAPrefill:
         It is folded once, into the new-token pass, so the LSE merges with the
         context chunks (up-projected or absorbed) stay exact."""
         check_configs(cache_config, model, model_arg="model")
-        sparse = _sparse_for(model, sparse, context_parallel)
         if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
             raise ValueError(f"context_parallel: expected a ContextParallel or None, got "
                              f"{type(context_parallel).__name__}")
+        sparse = _sparse_for(model, sparse, context_parallel)
         self.validate = check_bool(validate, "validate", allow_none=True)
         self.spec: LayerCacheSpec = resolve_layer(cache_config, model, layer=layer, prefix=prefix)
         # This layer's own dims (L, R, P, V, heads, scale), where they differ per layer.
