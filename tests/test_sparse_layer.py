@@ -242,3 +242,22 @@ def test_bf16_model_and_the_triton_backend_in_the_layer():
     with pytest.raises(ValueError, match="context parallel"):
         MLAPrefill(layer.prefill.model, CacheConfig("fp8", block_size=B), layer.prefill.kv_b_proj, layer=0,
                    sparse=layer.prefill.sparse, context_parallel=ContextParallel(None, 2, 0, 1))
+
+
+def test_write_cache_stores_the_indexer_keys_beside_the_latents():
+    """write_cache(..., index_cache=) stores each context token's indexer key at its latent slot."""
+    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, pos, meta = _setup("deepseek_v32", "auto")
+    for (c, _), cap, s in zip(REQUESTS, caps, slots):
+        if c:
+            want = layer.inputs(cap.hidden[:c], _pos(cap)[:c]).index.k
+            torch.testing.assert_close(index_cache[s // B, s % B], want.float(), rtol=1e-6, atol=1e-6)
+    assert layer.index_cache_spec.cache_shape(5) == (5, B, attn.indexer.head_dim)
+
+
+def test_transformers_dsa_is_a_deprecated_alias_of_transformers_mla():
+    from mla_ext.integrations.transformers_dsa import TransformersDSA
+
+    model, _ = _model("deepseek_v32", False, 16)
+    with pytest.warns(DeprecationWarning, match="TransformersMLA"):
+        layer = TransformersDSA(model.layers[0].self_attn, CacheConfig("auto", block_size=B))
+    assert isinstance(layer, TransformersMLA) and layer.sparse.index_topk == 16
