@@ -40,6 +40,7 @@ BLOCK = 16
 HIDDEN = 64
 CTX, NEW = (40, 0, 19), (3, 4, 2)
 SPARSE = sorted(f for f, fam in FAMILIES.items() if fam.sparse)
+RUNS_SPARSE = ("deepseek_v32", "glm_moe_dsa")  # families whose indexer mla_ext computes
 
 # family -> the layers it runs (layer 1 unless the family has layer kinds of its own).
 LAYERS = {f: (1,) for f in FAMILIES}
@@ -177,13 +178,23 @@ def test_sinks_change_the_result():
 
 
 @pytest.mark.parametrize("family", SPARSE)
-def test_sparse_layers_are_refused_past_index_topk(family):
+def test_sparse_layers_run_sparse_or_are_refused_past_index_topk(family):
+    """DSA families whose indexer mla_ext computes (DeepSeek-V3.2, GLM-5) run sparse past
+    index_topk (their parity with transformers is tests/test_sparse_layer.py): given no indexer
+    inputs there, the layer refuses naming index_topk. The other sparse families are refused
+    past index_topk before anything runs."""
     layer, source = build(family, 1, torch.float32, index_topk=24)
-    assert layer.max_keys == 24
-    assert "up to 24 keys per query (index_topk=24" in layer.explain()
-    with pytest.raises(ValueError, match=rf"{family} layer 1: request 0 has 40 context \+ 3 new "
-                                         rf"tokens = 43 keys.*index_topk=24"):
-        run(layer, source, torch.float32)
+    if family in RUNS_SPARSE:
+        assert layer.max_keys is None and layer.sparse.index_topk == 24
+        assert "sparse past index_topk=24" in layer.explain()
+        with pytest.raises(ValueError, match=r"index: layer 1 is sparse \(index_topk=24\)"):
+            run(layer, source, torch.float32)  # the side-by-side harness passes no index cache
+    else:
+        assert layer.max_keys == 24
+        assert "up to 24 keys per query (index_topk=24" in layer.explain()
+        with pytest.raises(ValueError, match=rf"{family} layer 1: request 0 has 40 context \+ 3 new "
+                                             rf"tokens = 43 keys.*index_topk=24"):
+            run(layer, source, torch.float32)
     # Within index_topk it runs (and matches).
     check(run(layer, source, torch.float32, ctx=(20, 0), new=(4, 3)), torch.float32)
 

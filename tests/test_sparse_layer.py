@@ -1,5 +1,5 @@
-"""The sparse layer end to end: MLAPrefill built from transformers' DeepSeek-V3.2 / GLM-5
-attention modules runs sparse (indexer -> chunked top-k -> sparse latent attention from the
+"""The sparse layer end to end: TransformersMLA (the one integration for every family) over
+transformers' DeepSeek-V3.2 / GLM-5 attention modules runs sparse (indexer -> chunked top-k -> sparse latent attention from the
 paged cache), several requests, context + new tokens well past index_topk, every cache format:
 selections equal transformers' (fp32 scoring, float32 index cache) up to ties, outputs equal
 transformers' (fp32, native cache) or the float64 oracle on what the cache holds (quantized
@@ -17,7 +17,7 @@ from mla_ext.sparse.index_cache import get_index_format
 from mla_ext.sparse.layer import SparseConfig, sparse_forward
 
 pytest.importorskip("transformers")
-from mla_ext.integrations.transformers_dsa import TransformersDSA  # noqa: E402
+from mla_ext.integrations.transformers_deepseek import TransformersMLA  # noqa: E402
 from sparse_cache_data import paged_layout  # noqa: E402
 from sparse_data import rel, run_with_context, tie_equivalent, tiny_model  # noqa: E402
 
@@ -36,7 +36,7 @@ def _model(family, ds, topk):
 def _setup(family, fmt, index_fmt="float32", topk=16):
     model, caps = _model(family, fmt.endswith("ds_mla"), topk)
     attn = model.layers[0].self_attn
-    layer = TransformersDSA(attn, CacheConfig(fmt, block_size=B), index_cache_dtype=index_fmt)
+    layer = TransformersMLA(attn, CacheConfig(fmt, block_size=B), index_cache_dtype=index_fmt)
     ctx = [c for c, _ in REQUESTS]
     table, nb, slots = paged_layout(ctx, B, seed=1)
     spec = layer.prefill.spec
@@ -45,13 +45,17 @@ def _setup(family, fmt, index_fmt="float32", topk=16):
     index_cache = get_index_format(index_fmt).empty(nb, B, D, D).zero_()
     for (c, _), cap, s in zip(REQUESTS, caps, slots):
         if c:
-            layer.write_cache(cap.hidden[:c], cap.cos[:c], cap.sin[:c], kv_cache, index_cache, s, KS)
+            layer.write_cache(cap.hidden[:c], _pos(cap)[:c], kv_cache, s, KS, index_cache=index_cache)
     new = [slice(c, c + q) for c, q in REQUESTS]
     hidden = torch.cat([cap.hidden[s] for cap, s in zip(caps, new)])
-    cos = torch.cat([cap.cos[s] for cap, s in zip(caps, new)])
-    sin = torch.cat([cap.sin[s] for cap, s in zip(caps, new)])
+    pos = torch.cat([_pos(cap)[s] for cap, s in zip(caps, new)])
     meta = PrefillMetadata(table, ctx, [q for _, q in REQUESTS], KS, block_size=B)
-    return model, attn, caps, layer, kv_cache, index_cache, slots, hidden, cos, sin, meta
+    return model, attn, caps, layer, kv_cache, index_cache, slots, hidden, pos, meta
+
+
+def _pos(cap):
+    """The positions of a captured request's tokens (context then new: 0, 1, ...)."""
+    return torch.arange(cap.hidden.shape[0])
 
 
 def _oracle_on_cache(layer, attn, caps, kv_cache, slots, sel, fmt):
@@ -59,7 +63,7 @@ def _oracle_on_cache(layer, attn, caps, kv_cache, slots, sel, fmt):
     qs, kvs, pes = [], [], []
     L, R = attn.kv_lora_rank, attn.qk_rope_head_dim
     for (c, qn), cap, s in zip(REQUESTS, caps, slots):
-        q, kv_c, k_pe, _ = layer.inputs(cap.hidden, cap.cos, cap.sin)
+        q, kv_c, k_pe, _ = layer.inputs(cap.hidden, _pos(cap))
         held = decode_cache_rows(kv_cache[s // B, s % B], fmt, KS)[:, :L + R] if c else None
         kvs.append(torch.cat([held[:, :L], kv_c[c:]]) if c else kv_c)
         pes.append(torch.cat([held[:, L:], k_pe[c:]]) if c else k_pe)
@@ -72,8 +76,8 @@ def _oracle_on_cache(layer, attn, caps, kv_cache, slots, sel, fmt):
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
 def test_matches_transformers_past_index_topk(family):
-    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, cos, sin, meta = _setup(family, "auto")
-    out = layer(hidden, cos, sin, kv_cache, index_cache, meta)
+    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, pos, meta = _setup(family, "auto")
+    out = layer(hidden, pos, kv_cache, meta, index_cache=index_cache)
     assert "sparse (DSA): index_topk=16" in layer.prefill.explain("cpu")
     sel = layer.prefill.last_selection
     y = layer.o_proj(out)
@@ -91,7 +95,7 @@ def test_matches_transformers_past_index_topk(family):
 
 
 def _index_inputs(layer, cap, c):
-    _, _, _, ix = layer.inputs(cap.hidden, cap.cos, cap.sin)
+    _, _, _, ix = layer.inputs(cap.hidden, _pos(cap))
     return ix.q[c:].double(), [ix.k.double()], ix.weights[c:].double()
 
 
@@ -99,8 +103,8 @@ def _index_inputs(layer, cap, c):
                                            ("nvfp4_ds_mla", "float32")])
 def test_every_cache_format(fmt, index_fmt):
     family = "deepseek_v32" if fmt != "fp8_ds_mla" else "glm_moe_dsa"
-    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, cos, sin, meta = _setup(family, fmt, index_fmt)
-    out = layer(hidden, cos, sin, kv_cache, index_cache, meta)
+    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, pos, meta = _setup(family, fmt, index_fmt)
+    out = layer(hidden, pos, kv_cache, meta, index_cache=index_cache)
     sel = layer.prefill.last_selection
     seen = torch.tensor([min(16, c + i + 1) for c, q in REQUESTS for i in range(q)])
     assert torch.isfinite(out).all() and torch.equal((sel >= 0).sum(1), seen)
@@ -122,9 +126,9 @@ def test_every_cache_format(fmt, index_fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla", "nvfp4_ds_mla"])
 def test_sparse_equals_dense_when_nothing_is_dropped(fmt):
-    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, cos, sin, meta = _setup(
+    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, pos, meta = _setup(
         "deepseek_v32", fmt, "bfloat16", topk=64)  # a model of its own: index_topk 64 >= 52
-    q, kv_c, k_pe, ix = layer.inputs(hidden, cos, sin)
+    q, kv_c, k_pe, ix = layer.inputs(hidden, pos)
     ix.cache = index_cache
     assert not layer.prefill.sparse.drops(meta.context_lens, meta.query_lens)
     dense = layer.prefill(q, kv_c, k_pe, kv_cache, meta)  # runs dense: nothing would be dropped
@@ -133,8 +137,8 @@ def test_sparse_equals_dense_when_nothing_is_dropped(fmt):
 
 
 def test_refusals_and_dense_families():
-    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, cos, sin, meta = _setup("deepseek_v32", "auto")
-    q, kv_c, k_pe, _ = layer.inputs(hidden, cos, sin)
+    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, pos, meta = _setup("deepseek_v32", "auto")
+    q, kv_c, k_pe, _ = layer.inputs(hidden, pos)
     with pytest.raises(ValueError, match="index"):
         layer.prefill(q, kv_c, k_pe, kv_cache, meta)
     assert SparseConfig.from_config({"model_type": "deepseek_v3", "kv_lora_rank": 512}) is None
@@ -149,10 +153,10 @@ def test_refusals_and_dense_families():
 def test_a_given_selection_is_used_as_is_and_checkpoint_weights_load():
     from mla_ext.sparse.from_transformers import IndexerParams
 
-    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, cos, sin, meta = _setup("glm_moe_dsa", "fp8")
-    out = layer(hidden, cos, sin, kv_cache, index_cache, meta)
-    sel = layer.prefill.last_selection.clone()
-    q, kv_c, k_pe, _ = layer.inputs(hidden, cos, sin)
+    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, pos, meta = _setup("glm_moe_dsa", "fp8")
+    out = layer(hidden, pos, kv_cache, meta, index_cache=index_cache)
+    sel = layer.last_selection.clone()
+    q, kv_c, k_pe, _ = layer.inputs(hidden, pos)
     again = layer.prefill(q, kv_c, k_pe, kv_cache, meta, index=sel)  # a "shared" layer's call
     assert torch.equal(again, out)
     with pytest.raises(ValueError, match="selection"):
@@ -175,8 +179,8 @@ def test_glm5_shared_layer_reuses_the_full_layers_selection():
     reqs = REQUESTS[:2]
     caps0 = [run_with_context(model, c, q, seed=40 + i, layer_idx=0) for i, (c, q) in enumerate(reqs)]
     caps1 = [run_with_context(model, c, q, seed=40 + i, layer_idx=1) for i, (c, q) in enumerate(reqs)]
-    full = TransformersDSA(full_attn, CacheConfig("auto", block_size=B), index_cache_dtype="float32")
-    shared = TransformersDSA(shared_attn, CacheConfig("auto", block_size=B))
+    full = TransformersMLA(full_attn, CacheConfig("auto", block_size=B), index_cache_dtype="float32")
+    shared = TransformersMLA(shared_attn, CacheConfig("auto", block_size=B))
     ctx = [c for c, _ in reqs]
     table, nb, slots = paged_layout(ctx, B, seed=2)
     caches = {n: torch.zeros(lay.prefill.spec.cache_shape(nb), dtype=lay.prefill.spec.storage_dtype)
@@ -184,19 +188,21 @@ def test_glm5_shared_layer_reuses_the_full_layers_selection():
     index_cache = get_index_format("float32").empty(nb, B, 16, 16).zero_()
     for (c, _), c0, c1, s in zip(reqs, caps0, caps1, slots):
         if c:
-            full.write_cache(c0.hidden[:c], c0.cos[:c], c0.sin[:c], caches["full"], index_cache, s)
-            shared.write_cache(c1.hidden[:c], c1.cos[:c], c1.sin[:c], caches["shared"], None, s)
+            full.write_cache(c0.hidden[:c], _pos(c0)[:c], caches["full"], s, index_cache=index_cache)
+            shared.write_cache(c1.hidden[:c], _pos(c1)[:c], caches["shared"], s)
     meta = PrefillMetadata(table, ctx, [q for _, q in reqs], block_size=B)
 
     def new(caps, field):
-        return torch.cat([getattr(cp, field)[c:c + q] for cp, (c, q) in zip(caps, reqs)])
+        return torch.cat([(_pos(cp) if field == "pos" else getattr(cp, field))[c:c + q]
+                          for cp, (c, q) in zip(caps, reqs)])
 
-    full(new(caps0, "hidden"), new(caps0, "cos"), new(caps0, "sin"), caches["full"], index_cache, meta)
-    sel = full.prefill.last_selection
+    full(new(caps0, "hidden"), new(caps0, "pos"), caches["full"], meta, index_cache=index_cache)
+    sel = full.last_selection
     with pytest.raises(ValueError, match="selection"):
-        shared(new(caps1, "hidden"), new(caps1, "cos"), new(caps1, "sin"), caches["shared"], None, meta)
-    y = shared.o_proj(shared(new(caps1, "hidden"), new(caps1, "cos"), new(caps1, "sin"), caches["shared"], None,
-                             meta, selection=sel))
+        shared(new(caps1, "hidden"), new(caps1, "pos"), caches["shared"], meta)
+    with pytest.raises(ValueError, match="index_cache: .*no indexer"):
+        shared(new(caps1, "hidden"), new(caps1, "pos"), caches["shared"], meta, index_cache=index_cache)
+    y = shared.o_proj(shared(new(caps1, "hidden"), new(caps1, "pos"), caches["shared"], meta, selection=sel))
     start = 0
     for (c, qn), c0, c1 in zip(reqs, caps0, caps1):
         rows = slice(start, start + qn)
@@ -216,23 +222,42 @@ def test_bf16_model_and_the_triton_backend_in_the_layer():
     model = tiny_model("deepseek_v32", topk=16, dtype=torch.bfloat16)
     attn = model.layers[0].self_attn
     caps = [run_with_context(model, c, q, seed=60 + i) for i, (c, q) in enumerate(REQUESTS)]
-    layer = TransformersDSA(attn, CacheConfig("fp8", block_size=B),
-                            index_cache_dtype="bfloat16")
+    layer = TransformersMLA(attn, CacheConfig("fp8", block_size=B), index_cache_dtype="bfloat16")
     ctx = [c for c, _ in REQUESTS]
     table, nb, slots = paged_layout(ctx, B, seed=3)
     kv_cache = torch.zeros(layer.prefill.spec.cache_shape(nb), dtype=layer.prefill.spec.storage_dtype)
     index_cache = get_index_format("bfloat16").empty(nb, B, 16, 16).zero_()
     for (c, _), cap, s in zip(REQUESTS, caps, slots):
         if c:
-            layer.write_cache(cap.hidden[:c], cap.cos[:c], cap.sin[:c], kv_cache, index_cache, s, KS)
+            layer.write_cache(cap.hidden[:c], _pos(cap)[:c], kv_cache, s, KS, index_cache=index_cache)
     new = [slice(c, c + q) for c, q in REQUESTS]
-    args = [torch.cat([getattr(cap, f)[s] for cap, s in zip(caps, new)]) for f in ("hidden", "cos", "sin")]
+    hidden = torch.cat([cap.hidden[s] for cap, s in zip(caps, new)])
+    pos = torch.cat([_pos(cap)[s] for cap, s in zip(caps, new)])
     meta = PrefillMetadata(table, ctx, [q for _, q in REQUESTS], KS, block_size=B)
     with SA.SPARSE.force("triton"):
-        out = layer(*args, kv_cache, index_cache, meta)
+        out = layer(hidden, pos, kv_cache, meta, index_cache=index_cache)
     assert out.dtype == torch.bfloat16
     want = _oracle_on_cache(layer, attn, caps, kv_cache, slots, layer.prefill.last_selection, "fp8")
     assert rel(out, want) <= 1e-2
     with pytest.raises(ValueError, match="context parallel"):
         MLAPrefill(layer.prefill.model, CacheConfig("fp8", block_size=B), layer.prefill.kv_b_proj, layer=0,
                    sparse=layer.prefill.sparse, context_parallel=ContextParallel(None, 2, 0, 1))
+
+
+def test_write_cache_stores_the_indexer_keys_beside_the_latents():
+    """write_cache(..., index_cache=) stores each context token's indexer key at its latent slot."""
+    model, attn, caps, layer, kv_cache, index_cache, slots, hidden, pos, meta = _setup("deepseek_v32", "auto")
+    for (c, _), cap, s in zip(REQUESTS, caps, slots):
+        if c:
+            want = layer.inputs(cap.hidden[:c], _pos(cap)[:c]).index.k
+            torch.testing.assert_close(index_cache[s // B, s % B], want.float(), rtol=1e-6, atol=1e-6)
+    assert layer.index_cache_spec.cache_shape(5) == (5, B, attn.indexer.head_dim)
+
+
+def test_transformers_dsa_is_a_deprecated_alias_of_transformers_mla():
+    from mla_ext.integrations.transformers_dsa import TransformersDSA
+
+    model, _ = _model("deepseek_v32", False, 16)
+    with pytest.warns(DeprecationWarning, match="TransformersMLA"):
+        layer = TransformersDSA(model.layers[0].self_attn, CacheConfig("auto", block_size=B))
+    assert isinstance(layer, TransformersMLA) and layer.sparse.index_topk == 16

@@ -11,9 +11,14 @@ small table mla_ext.families (yarn in the scale or not, sinks, sparse, sliding
 windows), or computed by the module's own code: q, kv_c_normed and k_pe are what
 the module's forward hands its cache and its attention function
 (transformers_capture.py), so LoRA or not, latent rescales, k_pe norms, rope
-styles and query temperatures are the family's own. What mla_ext cannot compute
-is refused by name: a sparse (DSA) layer whose queries would see more than
-`index_topk` keys, a sliding-window layer past its window.
+styles and query temperatures are the family's own. Sparse (DSA) layers whose
+indexer mla_ext computes (DeepSeek-V3.2 `deepseek_v32`, GLM-5 `glm_moe_dsa`: the
+indexer is detected on the module) run sparse past `index_topk`: the indexer's
+inputs come from the same forward (what the module hands `module.indexer`), its
+keys go to a paged index cache passed beside the latent cache (`index_cache=`),
+and MLAPrefill selects and attends (mla_ext/sparse). What mla_ext cannot compute
+is refused by name: a layer of another sparse family whose queries would see
+more than `index_topk` keys, a sliding-window layer past its window.
 
 For DeepSeek-V2/V3 (models/deepseek_v2, models/deepseek_v3), for example, per token:
 
@@ -37,6 +42,13 @@ module's own transformers file, so they follow the installed version).
     layer.write_cache(ctx_hidden, ctx_positions, kv_cache, ctx_slots)   # context tokens
     out = layer(new_hidden, new_positions, kv_cache, PrefillMetadata(...))   # [T, N, V]
     y = layer.o_proj(out)                                                # [T, hidden]
+
+the same for every family; a DSA layer also takes its index cache the same way
+(`layer.index_cache_spec.cache_shape(num_blocks)`, same block ids and block size):
+
+    layer = TransformersMLA(attn, CacheConfig("fp8_ds_mla"), index_cache_dtype="fp8")
+    layer.write_cache(ctx_hidden, ctx_positions, kv_cache, ctx_slots, index_cache=index_cache)
+    out = layer(new_hidden, new_positions, kv_cache, meta, index_cache=index_cache)
 
 The softmax scale is never passed by hand: it is `MLAModelConfig.softmax_scale`
 derived from the config (SPEC §10), and building a layer fails if it disagrees
@@ -75,6 +87,9 @@ from mla_ext.models import MLAModelConfig, config_from_dict
 from mla_ext.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.synthetic import SyntheticBatch
+from mla_ext.sparse import from_transformers as sparse_tx
+from mla_ext.sparse.index_cache import IndexCacheSpec, get_index_format, write_index_cache
+from mla_ext.sparse.layer import IndexInputs, SparseConfig
 
 # Attention class -> (its transformers module, its rotary embedding class or None).
 SUPPORTED = {
@@ -89,6 +104,15 @@ class MLAInputs(NamedTuple):
     q: Tensor  # [T, N, P+R]
     kv_c_normed: Tensor  # [T, L]
     k_pe: Tensor  # [T, R]
+
+
+class DSAInputs(NamedTuple):
+    """A DSA layer's tokens: MLAInputs' three and the indexer's inputs (q_I, w, k_I; cache None)."""
+
+    q: Tensor  # [T, N, P+R]
+    kv_c_normed: Tensor  # [T, L]
+    k_pe: Tensor  # [T, R]
+    index: IndexInputs
 
 
 def _import(module_path: str):
@@ -258,6 +282,9 @@ def prefill_from_module(module, cache_config: CacheConfig, *,
     if sinks is not None:
         n = model.for_layer(index).num_heads
         sinks = sinks.detach().float()[model.tp_rank * n:(model.tp_rank + 1) * n]
+    # A DSA module mla_ext runs sparse is sparse here too (bfloat16 index cache unless `sparse=` says
+    # otherwise), whatever its model config says: never a dense layer past index_topk.
+    prefill_kwargs.setdefault("sparse", _sparse_config(module, None))
     return MLAPrefill(model, cache_config, weight, layer=index, sinks=sinks, **prefill_kwargs)
 
 
@@ -383,44 +410,82 @@ class TransformersMLA:
     by mla_ext's prefill.
 
     `prefill` is the layer's MLAPrefill (`prefill.explain()` prints its plan);
-    `inputs` computes q / kv_c_normed / k_pe with the module's own code; calling
-    the object runs prefill-with-context for new tokens whose context is already in
-    the paged cache, returning [T, N, V] (the input of the module's output gate /
-    o_proj). `family` is the module's mla_ext.families entry; `kv_source` the layer
-    whose cache this one reads (KV sharing) or None; `max_keys` the most keys a
-    query may see here (a sparse layer's index_topk, a sliding layer's window) or
-    None: past it the layer refuses rather than compute dense attention."""
+    `inputs` computes q / kv_c_normed / k_pe (and a DSA layer's indexer inputs) with
+    the module's own code; calling the object runs prefill-with-context for new
+    tokens whose context is already in the paged cache, returning [T, N, V] (the
+    input of the module's output gate / o_proj). `family` is the module's
+    mla_ext.families entry; `kv_source` the layer whose cache this one reads (KV
+    sharing) or None; `max_keys` the most keys a query may see here (a sliding
+    layer's window, the index_topk of a sparse layer mla_ext cannot run sparse) or
+    None: past it the layer refuses rather than compute dense attention.
+
+    A DSA layer (deepseek_v32, glm_moe_dsa: `sparse` is its SparseConfig) runs sparse
+    past index_topk: it takes its paged index cache (`index_cache_spec`, in
+    `index_cache_dtype`) as `index_cache=` in write_cache and forward, as it takes the
+    latent cache; a GLM-5 "shared" layer (no indexer) takes the previous full layer's
+    `last_selection` as `selection=`."""
 
     def __init__(self, module, cache_config: CacheConfig, *, kv_b_proj: WeightFormat | None = None,
                  rotary_emb: nn.Module | None = None, layer: int | None = None,
-                 tp_size: int = 1, tp_rank: int = 0, **prefill_kwargs):
+                 tp_size: int = 1, tp_rank: int = 0, index_cache_dtype: str | None = None,
+                 **prefill_kwargs):
         self.module = module
         self.family = family_of_module(module)
+        sparse = _sparse_config(module, index_cache_dtype)
+        if "sparse" in prefill_kwargs:
+            raise ValueError("sparse: not taken here; a DSA layer's SparseConfig is read from its module "
+                             "(pass index_cache_dtype= for its index cache format)")
         self.prefill = prefill_from_module(module, cache_config, kv_b_proj=kv_b_proj, layer=layer,
-                                           tp_size=tp_size, tp_rank=tp_rank, **prefill_kwargs)
+                                           tp_size=tp_size, tp_rank=tp_rank, sparse=sparse, **prefill_kwargs)
         self.model = self.prefill.model
+        self.sparse = sparse
+        # The indexer's weights (None: a dense layer, or a GLM-5 "shared" layer reusing a selection).
+        self.indexer = (sparse_tx.IndexerParams.from_module(module)
+                        if sparse is not None and getattr(module, "indexer", None) is not None else None)
         n = self.model.num_heads
         self.heads = slice(self.model.tp_rank * n, (self.model.tp_rank + 1) * n)
         self.rotary_emb = rotary_emb if rotary_emb is not None else rotary_embedding_for(module)
         index = self.prefill.layer_index
         self.kv_source = model_config_from_module(module).kv_source(index)
-        self.max_keys, self.limit_reason = _key_limit(module, self.family, index)
+        self.max_keys, self.limit_reason = _key_limit(module, self.family, sparse is not None)
+
+    @property
+    def index_cache_spec(self) -> IndexCacheSpec | None:
+        """A DSA layer's index cache (shape, dtype, page bytes: `.cache_shape(num_blocks)`), pages
+        of the latent cache's block size; None for a layer that keeps none."""
+        if self.indexer is None:
+            return None
+        D, fmt = self.sparse.index_head_dim, self.sparse.index_cache_dtype
+        q = D if get_index_format(fmt).quantized else None  # one fp32 scale per token (vLLM's layout)
+        return IndexCacheSpec(self.prefill.layer_index, fmt, D, self.prefill.spec.block_size, q)
+
+    @property
+    def last_selection(self) -> Tensor | None:
+        """The positions the last sparse forward attended (int32 [T, index_topk], -1 padded): what a
+        GLM-5 "shared" layer takes as `selection=`."""
+        return getattr(self.prefill, "last_selection", None)
 
     def explain(self, device=None) -> str:
         """The layer's plan (MLAPrefill.explain) with its family and limits."""
         f, i = self.family, self.prefill.layer_index
-        lines = [f"{f.model_type} ({f.attention}) layer {i}"
-                 + (f": {f.note}" if f.note else ""),
-                 f"  dense attention equals this layer's up to {self.max_keys} keys per query "
-                 f"({self.limit_reason}); refused past it" if self.max_keys is not None else
-                 "  dense attention: no key limit",
+        if self.max_keys is not None:
+            limit = (f"  dense attention equals this layer's up to {self.max_keys} keys per query "
+                     f"({self.limit_reason}); refused past it")
+        elif self.sparse is not None:
+            limit = (f"  sparse past index_topk={self.sparse.index_topk}: "
+                     + ("its indexer selects (index cache passed as index_cache=)" if self.indexer is not None
+                        else "no indexer: attends the selection passed as selection= (a GLM-5 shared layer)"))
+        else:
+            limit = "  dense attention: no key limit"
+        lines = [f"{f.model_type} ({f.attention}) layer {i}" + (f": {f.note}" if f.note else ""), limit,
                  f"  reads layer {self.kv_source}'s KV cache (KV sharing)"
                  if self.kv_source is not None else "  keeps its own KV cache"]
         return "\n".join(lines + [self.prefill.explain(device)])
 
     def check_lengths(self, metadata: PrefillMetadata) -> None:
         """Refuses a batch whose queries would see more keys than this layer's dense
-        attention equals the family's (sparse: index_topk; sliding: the window)."""
+        attention equals the family's (sliding: the window; sparse where mla_ext has no
+        indexer for the family: index_topk)."""
         if self.max_keys is None:
             return
         for r, (c, q) in enumerate(zip(metadata.context_lens, metadata.query_lens)):
@@ -432,44 +497,89 @@ class TransformersMLA:
                     f"this layer's only up to {self.max_keys} keys")
 
     def inputs(self, hidden_states: Tensor, position_ids: Tensor,
-               shared_kv: dict | None = None) -> MLAInputs:
-        """The tokens' MLA inputs; q of this rank's heads only (`self.heads`).
+               shared_kv: dict | None = None) -> MLAInputs | DSAInputs:
+        """The tokens' MLA inputs; q of this rank's heads only (`self.heads`); a layer with a DSA
+        indexer gives DSAInputs, its indexer inputs in `.index` (from what the same forward hands
+        its indexer).
         shared_kv: see `mla_inputs` (layers that read another layer's KV)."""
-        x = mla_inputs(self.module, hidden_states, position_ids, rotary_emb=self.rotary_emb,
-                       shared_kv=shared_kv)
+        with sparse_tx.indexer_inputs_captured(self.module) as seen:
+            x = mla_inputs(self.module, hidden_states, position_ids, rotary_emb=self.rotary_emb,
+                           shared_kv=shared_kv)
+        if self.indexer is not None:
+            q, k, w = sparse_tx.indexer_inputs_from(self.indexer, seen, x.q.dtype)
+            x = DSAInputs(*x, IndexInputs(q, w, k, None))
         if self.model.tp_size == 1:
             return x
         return x._replace(q=x.q[:, self.heads].contiguous())
 
+    def _write(self, x, kv_cache: Tensor, slot_mapping: Tensor, k_scale, index_cache) -> None:
+        self.prefill.write_cache(x.kv_c_normed, x.k_pe, kv_cache, slot_mapping, k_scale)
+        if isinstance(x, DSAInputs):
+            write_index_cache(x.index.k, index_cache, slot_mapping, self.sparse.index_cache_dtype)
+
+    def _check_index_cache(self, index_cache, kv_cache: Tensor, what: str) -> None:
+        """index_cache is given exactly where the layer keeps one, and fits its latent plan."""
+        if self.indexer is None:
+            if index_cache is not None:
+                kind = "is dense" if self.sparse is None else "has no indexer (a GLM-5 shared layer)"
+                raise ValueError(f"index_cache: {self.family.model_type} layer {self.prefill.layer_index} {kind}; "
+                                 f"it keeps no index cache (pass None to {what})")
+            return
+        if index_cache is None:
+            raise ValueError(f"index_cache: {self.family.model_type} layer {self.prefill.layer_index} is sparse "
+                             f"(index_topk={self.sparse.index_topk}); {what} needs its paged index cache "
+                             f"(index_cache_spec: {self.index_cache_spec.cache_shape(kv_cache.shape[0])} "
+                             f"{self.index_cache_spec.storage_dtype})")
+        self.prefill.check_index_cache(index_cache, kv_cache)
+
     @torch.no_grad()
     def write_cache(self, hidden_states: Tensor, position_ids: Tensor, kv_cache: Tensor,
-                    slot_mapping: Tensor, k_scale: Tensor | None = None) -> MLAInputs:
-        """Computes the tokens' latents and stores them in the layer's cache format."""
+                    slot_mapping: Tensor, k_scale: Tensor | None = None, *,
+                    index_cache: Tensor | None = None) -> MLAInputs | DSAInputs:
+        """Computes the tokens' latents and stores them in the layer's cache format (and a DSA
+        layer's indexer keys in `index_cache`, same slots)."""
         self._owns_kv("write_cache")
+        self._check_index_cache(index_cache, kv_cache, "write_cache")
         x = self.inputs(hidden_states, position_ids)
-        self.prefill.write_cache(x.kv_c_normed, x.k_pe, kv_cache, slot_mapping, k_scale)
+        self._write(x, kv_cache, slot_mapping, k_scale, index_cache)
         return x
 
     @torch.no_grad()
     def forward(self, hidden_states: Tensor, position_ids: Tensor, kv_cache: Tensor,
                 metadata: PrefillMetadata, *, slot_mapping: Tensor | None = None,
                 k_scale: Tensor | None = None, workspace: Tensor | None = None,
-                shared_kv: dict | None = None) -> Tensor:
+                shared_kv: dict | None = None, index_cache: Tensor | None = None,
+                selection: Tensor | None = None) -> Tensor:
         """New tokens (hidden_states [T, H], position_ids [T], requests in metadata order)
         -> [T, N, V]. With slot_mapping, the new tokens are also stored in the cache
         (as a serving engine does before attention; their slots are past each context).
         A layer that reads another layer's KV (`kv_source`) takes that layer's cache
         as kv_cache and its new tokens' latents through `shared_kv` (the dict
-        {"rope" | "nope": ([1, 1, T, L], [1, 1, T, R])} its source filled)."""
+        {"rope" | "nope": ([1, 1, T, L], [1, 1, T, R])} its source filled).
+        A DSA layer takes its paged index cache as `index_cache` (required where it has an
+        indexer), or a selection made before (`selection`, int32 [T, K]: another layer's
+        `last_selection`; required by a GLM-5 shared layer past index_topk)."""
         self.check_lengths(metadata)
         if slot_mapping is not None:
             self._owns_kv("forward(slot_mapping=)")
+        if self.sparse is None and selection is not None:
+            raise ValueError(f"selection: {self.family.model_type} layer {self.prefill.layer_index} is dense; "
+                             "it takes no selection")
+        self._check_index_cache(index_cache, kv_cache, "forward")
         x = self.inputs(hidden_states, position_ids, shared_kv=shared_kv)
         if slot_mapping is not None:
-            self.prefill.write_cache(x.kv_c_normed, x.k_pe, kv_cache, slot_mapping,
-                                     k_scale if k_scale is not None else metadata.k_scale)
+            self._write(x, kv_cache, slot_mapping, k_scale if k_scale is not None else metadata.k_scale,
+                        index_cache)
+        index = selection
+        if index is None and isinstance(x, DSAInputs):
+            index = IndexInputs(x.index.q, x.index.weights, x.index.k, index_cache)
+        if index is None and self.sparse is not None \
+                and self.sparse.drops(metadata.context_lens, metadata.query_lens):
+            raise ValueError(f"selection: {self.family.model_type} layer {self.prefill.layer_index} has no indexer "
+                             f"(a GLM-5 'shared' layer) and a request has more than index_topk="
+                             f"{self.sparse.index_topk} tokens; pass the previous full layer's last_selection")
         return self.prefill(x.q, x.kv_c_normed, x.k_pe, kv_cache, metadata, k_scale=k_scale,
-                            workspace=workspace)
+                            workspace=workspace, index=index)
 
     __call__ = forward
 
@@ -492,11 +602,29 @@ class TransformersMLA:
         return self.module.o_proj(out.reshape(out.shape[0], -1))
 
 
-def _key_limit(module, family: Family, index: int) -> tuple[int | None, str]:
-    """(the most keys a query may see for dense attention to equal the layer's, why)."""
+def _sparse_config(module, index_cache_dtype: str | None) -> SparseConfig | None:
+    """The SparseConfig of a DSA module mla_ext runs sparse (its class has an indexer mla_ext
+    computes: mla_ext.sparse.from_transformers.INDEXER_ROPE_INTERLEAVED), in `index_cache_dtype`
+    (default bfloat16; checked); None for any other module, which keeps no index cache (so one call
+    with index_cache_dtype= serves every family: the format applies where there is an indexer)."""
+    if type(module).__name__ not in sparse_tx.INDEXER_ROPE_INTERLEAVED:
+        if index_cache_dtype is not None:
+            get_index_format(index_cache_dtype)  # a misspelt format is an error on every module
+        return None
+    sparse = SparseConfig.from_config(module.config, index_cache_dtype=index_cache_dtype or "bfloat16")
+    if sparse is None:
+        raise ValueError(f"{type(module).__name__}: its config has no index_topk / index_n_heads / "
+                         "index_head_dim; a DSA module's config carries them")
+    return sparse
+
+
+def _key_limit(module, family: Family, runs_sparse: bool) -> tuple[int | None, str]:
+    """(the most keys a query may see for dense attention to equal the layer's, why): a sparse
+    layer mla_ext cannot run sparse (another family's indexer) is limited to index_topk."""
     cfg = module.config
     limits = []
-    if getattr(module, "indexer", None) is not None or (family.sparse and getattr(module, "skip_topk", False)):
+    indexed = getattr(module, "indexer", None) is not None or (family.sparse and getattr(module, "skip_topk", False))
+    if indexed and not runs_sparse:
         topk = getattr(cfg, "index_topk", None)
         if topk is not None:
             limits.append((int(topk), f"index_topk={topk} (sparse attention: each query "

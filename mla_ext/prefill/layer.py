@@ -209,6 +209,30 @@ class PrefillMetadata:
         return self._chunk_t[key]
 
 
+def _sparse_for(model: MLAModelConfig, sparse, context_parallel):
+    """The layer's SparseConfig: `sparse` when given (its indexer shape checked against the model
+    config's, when that has one), else the model config's own (`SparseConfig.from_config`), so a
+    layer of a sparse (DSA) model is sparse however it was described; None for a dense model."""
+    from mla_ext.sparse.layer import SPARSE_KEYS, SparseConfig
+
+    if sparse is not None and not isinstance(sparse, SparseConfig):
+        raise ValueError(f"sparse: expected an mla_ext.sparse.layer.SparseConfig or None, got "
+                         f"{type(sparse).__name__}")
+    stated = SparseConfig.from_config(model)
+    if sparse is None:
+        sparse = stated
+    elif stated is not None:
+        for key in SPARSE_KEYS:
+            if getattr(sparse, key) != getattr(stated, key):
+                raise ValueError(f"sparse: {key}={getattr(sparse, key)} but the model config {model.name!r} "
+                                 f"says {key}={getattr(stated, key)}; a layer's indexer is its model's")
+    if sparse is not None and context_parallel is not None:
+        raise ValueError(f"sparse: the sparse (DSA) path (index_topk={sparse.index_topk}) does not support "
+                         "context parallelism yet (its selected positions index the whole context); pass "
+                         "context_parallel=None")
+    return sparse
+
+
 class MLAPrefill:
     """Prefill-with-context for one MLA layer."""
 
@@ -243,6 +267,7 @@ class MLAPrefill:
         if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
             raise ValueError(f"context_parallel: expected a ContextParallel or None, got "
                              f"{type(context_parallel).__name__}")
+        sparse = _sparse_for(model, sparse, context_parallel)
         self.validate = check_bool(validate, "validate", allow_none=True)
         self.spec: LayerCacheSpec = resolve_layer(cache_config, model, layer=layer, prefix=prefix)
         # This layer's own dims (L, R, P, V, heads, scale), where they differ per layer.
@@ -291,16 +316,9 @@ class MLAPrefill:
             self.softmax_scale_source = (f"given by the caller (the model config says "
                                          f"{model.softmax_scale:.5f})")
         self.context_attention = ContextAttention(self, context_attention)
-        # DSA (mla_ext/sparse/layer.py): a SparseConfig makes this layer attend only the tokens
-        # its indexer selects; None (dense families) keeps every path above unchanged.
-        from mla_ext.sparse.layer import SparseConfig
-
-        if sparse is not None and not isinstance(sparse, SparseConfig):
-            raise ValueError(f"sparse: expected an mla_ext.sparse.layer.SparseConfig or None, got "
-                             f"{type(sparse).__name__}")
-        if sparse is not None and context_parallel is not None:
-            raise ValueError("sparse: the sparse (DSA) path does not support context parallelism yet "
-                             "(its selected positions index the whole context); pass context_parallel=None")
+        # DSA (mla_ext/sparse/layer.py): a SparseConfig (given, or the model config's own) makes this
+        # layer attend only the tokens its indexer selects; None (dense families) keeps every path
+        # above unchanged.
         self.sparse = sparse
         if sinks is not None:
             where = sinks.device if isinstance(sinks, Tensor) else torch.device("cpu")
@@ -378,7 +396,7 @@ class MLAPrefill:
         return self.activation_dtype
 
     def prepare(self, kv_cache: Tensor, *, k_scale: Tensor | None = None,
-                warm: bool | None = None) -> "MLAPrefill":
+                warm: bool | None = None, index_cache: Tensor | None = None) -> "MLAPrefill":
         """Compiles every kernel variant this layer will use, before serving (and before
         any CUDA graph capture), so no Triton JIT compile happens mid-run: `warm`
         (default: kv_cache on a CUDA device) runs kv_b_proj once per row bucket up to the
@@ -386,8 +404,12 @@ class MLAPrefill:
         stored) and KV-scale kernel, the gathers at a small and a >= 64K-row dst (their
         two tile configs), and a tiny two-request forward through each context path
         (absorbed and up-projected). The cache is only read. Integer arguments that
-        vary with the batch never cause a compile (`do_not_specialize`)."""
+        vary with the batch never cause a compile (`do_not_specialize`).
+        `index_cache` (a sparse layer's paged index cache): checked against this layer's latent plan
+        now (`check_index_cache`), not at the first batch."""
         self.check_cache(kv_cache)
+        if index_cache is not None:
+            self.check_index_cache(index_cache, kv_cache)
         device = kv_cache.device
         warm = device.type == "cuda" if warm is None else check_bool(warm, "warm")
         self.kv_b_proj.prepare(device, self.kv_b_proj.params_dtype, warm=warm,
@@ -414,6 +436,8 @@ class MLAPrefill:
         meta = PrefillMetadata(table, [1, 0], [1, 2], k_scale, block_size=kv_cache.shape[1])
         q = torch.zeros(3, m.num_heads, m.P + m.R, dtype=dt, device=device)
         kept = self.context_attention
+        if self.sparse is not None and self.sparse.drops(meta.context_lens, meta.query_lens):
+            return self  # index_topk < 2: this tiny batch would already need the indexer's inputs
         try:
             for mode in ("absorbed", "up_project"):
                 self.context_attention = ContextAttention(self, mode)
@@ -462,6 +486,20 @@ class MLAPrefill:
                 f"[num_blocks, {s.block_size}, {s.entry_elems}] {s.storage_dtype}, got "
                 f"{tuple(kv_cache.shape)} {kv_cache.dtype}"
             )
+
+    def check_index_cache(self, index_cache: Tensor, kv_cache: Tensor | None = None) -> None:
+        """A sparse layer's paged index cache against this layer's latent plan: pages of this layer's
+        block_size (one block id names a latent page and an index page), the row width and storage
+        dtype of its index_cache_dtype, and (with kv_cache) at least the latent cache's blocks on
+        its device. ValueError naming index_cache; a dense layer has no index cache."""
+        if self.sparse is None:
+            raise ValueError(f"index_cache: layer {self.layer_index} is dense (no SparseConfig); it has no "
+                             "index cache")
+        from mla_ext.sparse.layer import check_index_cache
+
+        if kv_cache is not None:
+            self.check_cache(kv_cache)
+        check_index_cache(self.sparse, index_cache, self.spec.block_size, kv_cache)
 
     def _k_scale(self, k_scale: Tensor | None, device) -> Tensor:
         if self.spec.quant_mode == QuantMode.FP8_PER_TENSOR:
@@ -688,8 +726,35 @@ class MLAPrefill:
                 raise ValueError(f"{name}: expected device {q.device} (as q), got {x.device}")
         self.check_cache(kv_cache)
         self._check_table(metadata, kv_cache, self.validate if validate is None else validate)
+        self._refuse_sparse_context(metadata)
         return self._context(q, kv_cache, metadata, k_scale, workspace, self._attention_scratch(q.device),
                              _no_clock)
+
+    def _refuse_sparse_context(self, metadata: PrefillMetadata) -> None:
+        """forward_context attends every context key (the caller attends the new tokens densely and
+        merges): for a sparse layer that equals the layer's attention only while nothing is dropped
+        (context + new <= index_topk for every request with new tokens, see `forward`); past that it
+        is refused, naming index_topk, never answered densely."""
+        if self.sparse is None or not self.sparse.drops(metadata.context_lens, metadata.query_lens):
+            return
+        r, c, n = next((r, c, n) for r, (c, n) in enumerate(zip(metadata.context_lens, metadata.query_lens))
+                       if n > 0 and c + n > self.sparse.index_topk)
+        raise ValueError(
+            f"metadata: layer {self.layer_index} is sparse (index_topk={self.sparse.index_topk}) and request {r} "
+            f"has {c} context + {n} new tokens = {c + n} keys for its last query; forward_context computes "
+            "dense context attention, which equals the layer's only up to index_topk keys; use "
+            "forward(..., index=IndexInputs(...)) (the sparse path) instead")
+
+    def _check_index(self, index, kv_cache: Tensor) -> None:
+        """A sparse layer's index cache (in IndexInputs) against the latent plan, whether or not this
+        batch needs it: page size, width, dtype and block count (mla_ext.sparse.layer.check_index_cache)."""
+        if self.sparse is None or index is None or isinstance(index, Tensor):
+            return
+        cache = getattr(index, "cache", None)
+        if cache is not None:
+            from mla_ext.sparse.layer import check_index_cache
+
+            check_index_cache(self.sparse, cache, self.spec.block_size, kv_cache, arg="index.cache")
 
     def forward(self, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor,
                 metadata: PrefillMetadata, clock=None, *, k_scale: Tensor | None = None,
@@ -746,6 +811,7 @@ class MLAPrefill:
                 raise ValueError(f"{name}: expected device {q.device} (as q), got {x.device}")
         self.check_cache(kv_cache)
         self._check_table(metadata, kv_cache, self.validate if validate is None else validate)
+        self._check_index(index, kv_cache)
         if self.sparse is not None and self.sparse.drops(metadata.context_lens, metadata.query_lens):
             if index is None:
                 raise ValueError(f"index: layer {self.layer_index} is sparse (index_topk="
@@ -758,6 +824,12 @@ class MLAPrefill:
             from mla_ext.sparse.layer import sparse_forward
 
             return sparse_forward(self, q, kv_c_normed, k_pe, kv_cache, metadata, index, k_scale)
+        # Dense from here. For a sparse layer this is reached only when every request with new tokens
+        # has context + new <= index_topk (`SparseConfig.drops` is False): its last query sees
+        # context + new keys, every earlier one fewer, so the indexer's top index_topk of a query's
+        # visible keys is all of them, and attending the selection is attending every visible key:
+        # exactly this dense causal attention (the indexer's scores only rank keys, they never
+        # weight them). A request without new tokens has no query to select for.
         device, dtype = q.device, q.dtype
         cu_q = metadata.cu_seqlens_q(device)
         max_q = max(metadata.query_lens, default=0)

@@ -16,6 +16,15 @@ rows (``forward_batch.get_max_chunk_capacity()``, SGLang's own bound on a
 chunk), one buffer per device and dtype shared by all layers.
 ``MLA_EXT_SGLANG_CONTEXT`` = auto (default: per chunk by the cost model),
 absorbed or up_project forces one path for every chunk.
+
+A DSA layer (``attn.use_dsa``: DeepSeek-V3.2, GLM-5) attends only its indexer's
+top ``index_topk`` keys; mla_ext's context pass is dense, which equals that only
+while every request's prefix + new tokens fit in index_topk (the top index_topk
+of fewer keys is all of them). So such a layer is served only within index_topk;
+past it (or where the layer has no indexer of its own to read index_topk from)
+it is left to SGLang, the reason naming index_topk (``dsa_refusal``), and the
+MLAPrefill built for it carries a SparseConfig, so its forward_context refuses
+past index_topk as well.
 """
 from __future__ import annotations
 
@@ -86,6 +95,42 @@ def kv_b_proj_format(kv_b_proj, dtype: torch.dtype):
     return weight_format_from_module(kv_b_proj, dtype, scale_layout=layout, arg="kv_b_proj")
 
 
+def dsa_index_topk(attn) -> int | None:
+    """A DSA layer's index_topk (its indexer's), None for a dense layer; Unsupported for a DSA
+    layer without an indexer of its own (it reuses another layer's top-k: index_topk unknown here)."""
+    if not getattr(attn, "use_dsa", False):
+        return None
+    topk = getattr(getattr(attn, "indexer", None), "index_topk", None)
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise Unsupported("a DSA layer without an indexer of its own (it reuses another layer's top-k): its "
+                          "index_topk is not known here, and mla_ext's dense context pass equals sparse "
+                          "attention only within index_topk")
+    return topk
+
+
+def dsa_refusal(attn, prefix_lens, extend_lens) -> None:
+    """Unsupported (naming index_topk) when a DSA layer's batch has a request whose prefix + new
+    tokens exceed index_topk: dense attention would not be the layer's there."""
+    topk = dsa_index_topk(attn)
+    if topk is None:
+        return
+    if any(n > 0 and p + n > topk for p, n in zip(prefix_lens, extend_lens)):
+        raise Unsupported(f"a DSA layer past index_topk={topk} (a request has more prefix + new tokens than "
+                          "that): mla_ext's chunked-prefix pass is dense attention, which equals the layer's "
+                          "sparse attention only within index_topk")
+
+
+def _sparse_of(attn):
+    """The SparseConfig of a DSA layer (its indexer's shape), None for a dense one."""
+    topk = dsa_index_topk(attn)
+    if topk is None:
+        return None
+    from mla_ext.sparse.layer import SparseConfig
+
+    ix = attn.indexer
+    return SparseConfig(topk, int(ix.n_heads), int(ix.head_dim))
+
+
 def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int, mode: str):
     """The attention module's MLAPrefill for this pool format (built once, kept on the module)."""
     from mla_ext.models import MLAModelConfig
@@ -105,7 +150,8 @@ def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int, mode: 
             cache.clear()  # a new format or reloaded weights replace the old layer
             cache[key] = MLAPrefill(model, CacheConfig(kv_cache_dtype=fmt, block_size=page_size), w,
                                     layer=attn.layer_id, workspace_rows_override=rows,
-                                    softmax_scale=float(attn.attn_mha.scaling), context_attention=mode)
+                                    softmax_scale=float(attn.attn_mha.scaling), context_attention=mode,
+                                    sparse=_sparse_of(attn))
         except ValueError as exc:  # e.g. a quantized kv_b_proj whose scale layout SGLang does not state
             raise Unsupported(f"{type(attn.kv_b_proj).__name__} kv_b_proj or dims: {exc}") from None
     return cache[key]
@@ -138,6 +184,9 @@ def check_servable(attn, forward_batch, model_dtype: torch.dtype | None):
     if model_dtype is not None and model_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise Unsupported(f"{model_dtype} queries (the backend's FP8 prefill)")
     _backend_reasons(forward_batch)
+    if getattr(attn, "use_dsa", False):
+        dsa_refusal(attn, [int(n) for n in forward_batch.extend_prefix_lens_cpu],
+                    [int(n) for n in forward_batch.extend_seq_lens_cpu])
     return kv_cache_format(get_token_to_kv_pool(), model_dtype, attn.kv_lora_rank, attn.qk_rope_head_dim)
 
 

@@ -10,10 +10,14 @@ reuse the previous full layer's selection and are refused here.
 
 `project(...)` computes everything the sparse path needs from hidden states in
 float64 with this library's own code (the oracle for the tests); a checkpoint
-user builds `IndexerParams` from the tensors directly.
+user builds `IndexerParams` from the tensors directly. `indexer_inputs_captured`
+records what the module's own forward hands its indexer (hidden states, q_resid,
+cos/sin), so `TransformersMLA` takes the indexer's inputs from the same forward
+that gives it q and the latents.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -140,3 +144,45 @@ def project(attention, indexer: IndexerParams | None, hidden: Tensor, cos: Tenso
         return DsaInputs(q, kv_c, k_pe, None, None, None)
     q_idx, w_idx = indexer.queries(x, q_resid, cos, sin)
     return DsaInputs(q, kv_c, k_pe, q_idx, indexer.keys(x, cos, sin), w_idx)
+
+
+@contextlib.contextmanager
+def indexer_inputs_captured(attention):
+    """Within the block, each call of `attention.indexer` records its inputs (hidden_states [B, S, H],
+    q_resid [B, S, q_lora_rank], (cos, sin) [B, S, R]) into the yielded dict; nothing for a layer
+    without an indexer. Both families call it as indexer(hidden_states, q_resid, position_embeddings,
+    mask, position_ids, past_key_values=...)."""
+    seen: dict = {}
+    ix = getattr(attention, "indexer", None)
+
+    def grab(mod, args, kwargs):
+        names = ("hidden_states", "q_resid", "position_embeddings")
+        got = dict(zip(names, args))
+        got.update({k: kwargs[k] for k in names if k in kwargs})
+        seen.update({k: tuple(t.detach() for t in v) if isinstance(v, tuple) else v.detach()
+                     for k, v in got.items()})
+
+    handle = ix.register_forward_pre_hook(grab, with_kwargs=True) if ix is not None else None
+    try:
+        yield seen
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def indexer_inputs_from(params: IndexerParams, seen: dict, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(q_I [T, H, D] and k_I [T, D] in `dtype`, w [T, H] float32) of the tokens whose indexer inputs
+    `indexer_inputs_captured` recorded ([B, S, .] flattened batch-major), computed in float64 by
+    IndexerParams (the module's indexer never surfaces its q or weights)."""
+    if "q_resid" not in seen:
+        raise RuntimeError("the module's forward never called its indexer; this transformers version "
+                           "computes it another way")
+    cos, sin = seen["position_embeddings"]
+    hidden, q_resid = seen["hidden_states"], seen["q_resid"]
+
+    def flat(t: Tensor) -> Tensor:
+        return t.reshape(-1, t.shape[-1])
+
+    q, w = params.queries(flat(hidden), flat(q_resid), flat(cos), flat(sin))
+    k = params.keys(flat(hidden), flat(cos), flat(sin))
+    return q.to(dtype), k.to(dtype), w.to(torch.float32)

@@ -23,6 +23,14 @@ paged cache in one pass (no workspace); elsewhere each of vLLM's chunks is
 gathered into vLLM's workspace (bounded as vLLM bounds it) and the chunks are
 merged by LSE. Context parallelism (``dcp_world_size > 1``) keeps vLLM's
 ``_context_parallel_compute_prefill_context``.
+
+A sparse (DSA) impl (``impl.is_sparse``: DeepSeek-V3.2, GLM-5) reaches this method
+through vLLM's dense ``forward_mha``, which vLLM takes when every request fits in
+``index_topk`` (``attn_metadata.topk_tokens``) or when forced dense. mla_ext's context
+attention is dense too, and dense equals the layer's sparse attention only within
+index_topk (the top index_topk of fewer keys is all of them): past it, or where
+index_topk cannot be read, the call is left to vLLM's own method, the reason naming
+index_topk (``sparse_refusal``), never answered by mla_ext densely.
 """
 from __future__ import annotations
 
@@ -75,11 +83,35 @@ def _cumsum(values) -> list[int]:
     return out
 
 
-def choose(impl, q: torch.Tensor, kv_cache: torch.Tensor, prefill) -> tuple[str, str]:
-    """("absorbed" | "vllm", why) for this batch."""
+def sparse_refusal(impl, attn_metadata) -> str | None:
+    """Why mla_ext must not attend this sparse (DSA) impl's context densely, or None (a dense impl,
+    or every request with new tokens has context + new <= index_topk)."""
+    if not getattr(impl, "is_sparse", False):
+        return None
+    topk = getattr(attn_metadata, "topk_tokens", None)
+    if topk is None:
+        buf = getattr(impl, "topk_indices_buffer", None)
+        topk = buf.shape[-1] if isinstance(buf, torch.Tensor) else None
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        return "a sparse (DSA) layer whose index_topk is not known here (dense equals it only within index_topk)"
+    prefill = attn_metadata.prefill
+    ctx = prefill.chunked_context.context_lens_list
+    q_lens = [int(x) for x in prefill.query_lens_cpu.tolist()]
+    if any(n > 0 and c + n > topk for c, n in zip(ctx, q_lens)):
+        return (f"a sparse (DSA) layer past index_topk={topk} (a request has more context + new tokens than "
+                "that): mla_ext's context attention is dense, which equals the layer's only within index_topk")
+    return None
+
+
+def choose(impl, q: torch.Tensor, kv_cache: torch.Tensor, prefill, attn_metadata=None) -> tuple[str, str]:
+    """("absorbed" | "vllm", why) for this batch (`attn_metadata`: for a sparse impl's index_topk)."""
     mode = context_mode()
     if mode == "vllm":
         return "vllm", f"{CONTEXT_ENV} unset"
+    sparse_why = sparse_refusal(impl, attn_metadata) if attn_metadata is not None else \
+        (None if not getattr(impl, "is_sparse", False) else "a sparse (DSA) layer (index_topk not given)")
+    if sparse_why is not None:
+        return "vllm", sparse_why
     if q.dtype not in AB.FLOAT_DTYPES:
         return "vllm", f"queries are {q.dtype} (vLLM's FP8 prefill)"
     kvb = _kv_b_proj(impl)
@@ -141,7 +173,7 @@ def install(impl_cls) -> bool:
     logged: set[str] = set()
 
     def _compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
-        path, why = choose(self, q, kv_c_and_k_pe_cache, attn_metadata.prefill)
+        path, why = choose(self, q, kv_c_and_k_pe_cache, attn_metadata.prefill, attn_metadata)
         if why not in logged and len(logged) < 64:
             logged.add(why)
             logger.info("mla_ext: MLA context attention %s (%s)", path, why)
