@@ -44,6 +44,7 @@ from torch import Tensor
 
 from mla_ext.attention import triton_latent as TL
 from mla_ext.cache import api as cache_api
+from mla_ext.cache.checks import check_cache_dtype
 from mla_ext.dispatch import Backend, Dispatcher
 from mla_ext.formats import get_format
 
@@ -280,9 +281,10 @@ def latent_context_attention(
                and rows.stride(1) == 1,
                f"rows: expected [>= {co[-1]}, {L + R}] {q_lat.dtype} on {q_lat.device}, unit column stride")
     else:
-        get_format(kv_cache_dtype)
+        fmt = get_format(kv_cache_dtype)
         _check(isinstance(kv_cache, Tensor) and kv_cache.dim() == 3 and kv_cache.device == q_lat.device,
                f"kv_cache: expected a [num_blocks, block_size, entry] tensor on {q_lat.device}")
+        check_cache_dtype(kv_cache, fmt)  # a float8 cache of the other fp8 type would decode wrongly
         _check(isinstance(block_table, Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32
                and block_table.shape[0] >= len(qo) - 1 and block_table.device == q_lat.device,
                f"block_table: expected an int32 tensor [>= {len(qo) - 1}, max_blocks] on {q_lat.device}")

@@ -10,8 +10,10 @@ capability: the interpreter is far slower than the compiled CPU kernel).
 
 The public wrappers (index_cache.write_index_cache / gather_index_keys /
 cp_gather_indexer_k_quant_cache) check the arguments (ValueError) and, on the CPU, the slot
-and block-id ranges before dispatching; on CUDA no host check is made (no sync) and the
-kernels skip out-of-range slots and read zeros for out-of-range block ids.
+and block-id ranges and the offsets (cu_seq_lens, seq_starts, the output's rows) before
+dispatching; on CUDA no host check is made (no sync) and the kernels skip out-of-range slots,
+write no row outside cu_seq_lens and read zeros for out-of-range block ids. The compiled CPU
+gather op checks the offsets itself too (it is callable as torch.ops.mla_ext.index_cache_gather).
 """
 from __future__ import annotations
 

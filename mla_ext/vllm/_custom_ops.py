@@ -43,7 +43,9 @@ cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_star
     chunk's cu_seq_lens, R + 1 entries, with batch_size = R) and the last
     request runs to dst's last row (pass the chunk's rows, workspace[:toks]).
     Extra work: one tiny device tensor, cu_seq_lens = workspace_starts + [dst
-    rows] (a cat, no host sync). The host-cache arguments (vLLM's rows of an
+    rows] (a cat, no host sync). On CPU tensors workspace_starts (negative,
+    decreasing, past dst) and seq_starts (negative) are checked, naming them;
+    on CUDA they are not read (no sync) and the kernel bounds every row. The host-cache arguments (vLLM's rows of an
     offloaded cache) are not supported: anything but None is refused.
 
 cp_gather_and_upconvert_nvfp4_kv_cache(src_cache, dst, block_table, workspace_starts, batch_size)
@@ -87,6 +89,7 @@ from mla_ext import formats
 from mla_ext._fake import _one_device
 from mla_ext.attention import api as attn_api
 from mla_ext.cache import api as cache_api
+from mla_ext.cache import checks as cache_checks
 from mla_ext.cache.checks import check_no_internal_overlap, check_no_overlap
 from mla_ext.formats import DsMla, E4M3_MAX
 
@@ -371,9 +374,19 @@ def _upconvert(src_cache, dst, block_table, workspace_starts, batch_size, seq_st
     """The native dequantizing gather of a fixed-layout format into bf16 [tokens, 576].
     Request r owns rows [workspace_starts[r], workspace_starts[r + 1]) and the
     last one runs to dst's end: the native op's cu_seq_lens, built on the device
-    (one tiny cat, no host sync). The format ignores the scale argument."""
+    (one tiny cat, no host sync). The format ignores the scale argument.
+    CPU tensors are read first (free there): workspace_starts negative, decreasing or
+    past dst, and seq_starts negative raise naming them. CUDA tensors are not read
+    (that would sync): the kernel bounds every row (no write past dst, zeros for a
+    token outside the table), as vLLM's."""
     end = workspace_starts.new_full((1,), dst.size(0))
     cu_seq_lens = torch.cat([workspace_starts[:batch_size], end])
+    if dst.device.type == "cpu":
+        cache_checks.check_row_starts(workspace_starts, batch_size, dst.size(0), "workspace_starts")
+        if seq_starts is not None:
+            _check(seq_starts.dim() == 1 and seq_starts.numel() >= batch_size,
+                   f"seq_starts: expected [>= {batch_size}] (one per request), got {tuple(seq_starts.shape)}")
+            cache_checks.check_offsets(cu_seq_lens, batch_size, seq_starts, dst.size(0), arg="workspace_starts")
     cache_api.gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, kv_cache_dtype,
                                              _unit_scale(src_cache.device), seq_starts)
 

@@ -3,4 +3,5 @@ import fuzz_cases_attention  # noqa: F401
 import fuzz_cases_cache  # noqa: F401
 import fuzz_cases_host  # noqa: F401
 import fuzz_cases_kv_b_proj  # noqa: F401
+import fuzz_cases_offsets  # noqa: F401
 import fuzz_cases_sparse  # noqa: F401
