@@ -495,3 +495,39 @@ class Dispatcher:
             yield
         finally:
             self._forced = prev
+
+
+# -- every dispatcher of the library (for `python -m mla_ext info`) --------------
+
+# The modules that build the library's dispatchers (module-level Dispatcher objects).
+# `all_dispatchers()` lists every Dispatcher defined in them, so a new one in any of these
+# modules is listed by construction; tests/test_cli_dispatchers.py fails naming a module of
+# mla_ext that builds a Dispatcher and is missing here.
+DISPATCHER_MODULES = (
+    "mla_ext.cache.api", "mla_ext.kv_b_proj.linear", "mla_ext.attention.api", "mla_ext.prefill.absorbed",
+    "mla_ext.sparse.index_cache_backends", "mla_ext.sparse.sparse_attention",
+)
+
+
+def all_dispatchers() -> list[Dispatcher]:
+    """Every module-level Dispatcher of DISPATCHER_MODULES (imported here), in that order."""
+    import importlib
+
+    out: list[Dispatcher] = []
+    for name in DISPATCHER_MODULES:
+        for obj in vars(importlib.import_module(name)).values():
+            if isinstance(obj, Dispatcher) and all(obj is not d for d in out):
+                out.append(obj)
+    return out
+
+
+def report_device(device=None):
+    """The device a backend_report() probes: `device`, else CUDA when visible, else the CPU."""
+    import torch
+
+    if device is not None:
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -186,3 +186,20 @@ INDEX_GATHER = Dispatcher("index_gather", [
     Backend("cpu", lambda inp: _gather_compiled_reasons(inp, "cpu"), _run_compiled_gather),
     Backend("torch", lambda inp: [], _run_torch_gather),
 ])
+
+
+def backend_report(device=None) -> list[tuple[str, str, list[str]]]:
+    """[(op, backend, reasons)] of the index-cache writer and gather for a probe on `device`
+    (default: CUDA if visible), in the form `python -m mla_ext info` shows."""
+    from mla_ext.dispatch import report_device
+    from mla_ext.sparse.index_cache import FORMATS
+
+    dev = report_device(device)
+    fmt = FORMATS["bfloat16"]
+    cache = torch.empty(1, 16, 128, dtype=torch.bfloat16, device=dev)
+    i32 = torch.zeros(2, dtype=torch.int32, device=dev)
+    write = IndexWriteInputs(cache[0, :1], cache, i32[:1].long(), fmt, None, None)
+    gather = IndexGatherInputs(cache, i32.view(2, 1), i32, fmt, None, 128,
+                               torch.empty(0, 128, dtype=torch.float32, device=dev))
+    return ([(INDEX_WRITE.op, b.name, b.not_supported_reasons(write)) for b in INDEX_WRITE.backends]
+            + [(INDEX_GATHER.op, b.name, b.not_supported_reasons(gather)) for b in INDEX_GATHER.backends])

@@ -182,3 +182,17 @@ def sparse_latent_attention(
     x = SparseInputs(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, indices, q_lens, ctx_lens, new_kv_c,
                      new_k_pe, k_scale, float(softmax_scale))
     return SPARSE(x)
+
+
+def backend_report(device=None) -> list[tuple[str, str, list[str]]]:
+    """[(op, backend, reasons)] of the sparse latent attention for a probe on `device`
+    (default: CUDA if visible), in the form `python -m mla_ext info` shows."""
+    from mla_ext.dispatch import report_device
+
+    dev = report_device(device)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    q = torch.empty(1, 1, 512, dtype=dt, device=dev)
+    i32 = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    x = SparseInputs(q, q.new_empty(1, 1, 64), q.new_empty(1, 16, 576), "auto", i32, i32, (1,), (0,),
+                     q.new_empty(1, 512), q.new_empty(1, 64), None, 1.0)
+    return [(SPARSE.op, b.name, b.not_supported_reasons(x)) for b in SPARSE.backends]
