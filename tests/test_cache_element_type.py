@@ -104,3 +104,18 @@ def test_the_vllm_surface_takes_an_fp8_e5m2_cache_typed_float8_e4m3fn_as_vllm_pa
     want = torch.empty(20, 512)
     ref.gather_ref(cache, want, bt, cu, 1, "fp8_e5m2", ks)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt,dtype", WRONG[:2])
+def test_the_layer_refuses_the_other_float8_type_naming_kv_cache_dtype(fmt, dtype):
+    from mla_ext.policy import CacheConfig
+    from mla_ext.prefill.layer import MLAPrefill
+    from prefill_data import BLOCK, TINY, make_weight
+
+    w = torch.randn(TINY.num_heads * (TINY.P + TINY.V), TINY.L) / 32
+    layer = MLAPrefill(TINY, CacheConfig(fmt, block_size=BLOCK), make_weight("dense", w), layer=1)
+    cache = torch.zeros(layer.spec.cache_shape(2), dtype=torch.uint8)
+    layer.check_cache(cache)  # bytes: accepted
+    layer.check_cache(cache.view(get_format(fmt).fp8_dtype))  # the format's own float8 type: accepted
+    with pytest.raises(ValueError, match=rf"kv_cache: layer 1 \(kv_cache_dtype '{fmt}'\) expects .* got .* {dtype}"):
+        layer.check_cache(cache.view(dtype))

@@ -143,3 +143,22 @@ def test_one_offset_checker_vectorised_names_the_first_bad_request():
     checks.check_offsets(torch.tensor([0, 0, 3], dtype=I32), 2, torch.tensor([-5, 0], dtype=I32), 3)
     big = torch.arange(0, 200_001, dtype=I32)  # 200k requests: one vectorised pass
     assert checks.check_block_ids(torch.zeros(200_000, 1, dtype=I32), big, 200_000, None, 1, 1) == 200_000
+
+
+@pytest.mark.parametrize("op", ["gather_and_maybe_dequant_cache", "cp_gather_cache"])
+@pytest.mark.parametrize("cu,starts,match", [
+    ([0, 6, 5], None, r"cu_seq_lens: request 1 has a negative length"),
+    ([0, 4, 12], None, r"cu_seq_lens: request 1 ends at row 12 but dst has 9 rows"),
+    ([0, 4, 9], [0, -1], r"seq_starts: request 1 starts at -1"),
+])
+def test_vllm_latent_gathers_refuse_bad_offsets_on_the_host(op, cu, starts, match):
+    cache = torch.randn(6, B, 512).to(torch.bfloat16)
+    dst = torch.full((9, 512), 5.0, dtype=torch.bfloat16)
+    cu_t, st = torch.tensor(cu, dtype=I32), None if starts is None else torch.tensor(starts, dtype=I32)
+    with pytest.raises(ValueError, match=match):
+        if op == "cp_gather_cache":
+            vops.cp_gather_cache(cache, dst, TABLE, cu_t, 2, st)
+        else:
+            vops.gather_and_maybe_dequant_cache(cache, dst, TABLE, cu_t, torch.zeros(9, dtype=I32), 9, "auto",
+                                                torch.ones(1), st)
+    assert dst.eq(5.0).all()

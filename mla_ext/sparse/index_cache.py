@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mla_ext._args import check_no_meta
 from mla_ext.cache.checks import check_block_ids
 
 E4M3_MAX = 448.0
@@ -112,6 +113,28 @@ def _geometry(cache: Tensor, fmt: IndexCacheFormat, head_dim: int | None) -> tup
     return B, head_dim, (width - head_dim) // 4
 
 
+def check_index_cache(cache, index_cache_dtype, head_dim: int, block_size: int | None = None,
+                      arg: str = "index_cache") -> None:
+    """An index cache for `index_cache_dtype` and index_head_dim `head_dim`, checked up front (no
+    data read): a 3-D tensor of the format's storage dtype holding data (not meta), rows of
+    head_dim values (fp8: head_dim + 4 * head_dim / Q bytes) and, when given, `block_size` tokens
+    per page (the latent cache's: one block table names both pages)."""
+    fmt = get_index_format(index_cache_dtype)
+    if not isinstance(cache, Tensor):
+        raise ValueError(f"{arg}: expected a torch.Tensor, got {type(cache).__name__}")
+    check_no_meta(**{arg: cache})
+    try:
+        B, D, _ = _geometry(cache, fmt, head_dim)
+    except ValueError as exc:
+        raise ValueError(f"{arg}: {exc}") from None
+    if D != head_dim:
+        raise ValueError(f"{arg}: expected rows of index_head_dim={head_dim} values ({fmt.name}), got width "
+                         f"{cache.shape[2]}")
+    if block_size is not None and B != block_size:
+        raise ValueError(f"{arg}: expected block_size {block_size} (the latent cache's: one block table names both "
+                         f"pages), got {B}")
+
+
 def quantize_fp8_rows(k: Tensor, quant_block_size: int, scale_fmt: str | None = None) -> tuple[Tensor, Tensor]:
     """k [T, D] -> (e4m3 values as uint8 [T, D], fp32 scales [T, D/Q]) as the fp8 index cache stores them."""
     T, D = k.shape
@@ -150,6 +173,7 @@ def write_index_cache(k: Tensor, cache: Tensor, slot_mapping: Tensor, index_cach
     from mla_ext.sparse.index_cache_backends import INDEX_WRITE, IndexWriteInputs
 
     fmt = get_index_format(index_cache_dtype)
+    check_no_meta(k=k, cache=cache, slot_mapping=slot_mapping)
     if k.dim() != 2:
         raise ValueError(f"k: expected [T, D], got {tuple(k.shape)}")
     T, D = k.shape
@@ -241,6 +265,7 @@ def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, i
     from mla_ext.sparse.index_cache_backends import INDEX_GATHER, IndexGatherInputs
 
     fmt = get_index_format(index_cache_dtype)
+    check_no_meta(cache=cache, block_table=block_table, cu_seq_lens=cu_seq_lens, seq_starts=seq_starts, out=out)
     B, D, S = _geometry(cache, fmt, head_dim)
     if out is not None and (out.dim() != 2 or out.shape[1] != D):
         raise ValueError(f"out: expected [rows, {D}], got {tuple(out.shape)}")
@@ -280,6 +305,8 @@ def cp_gather_indexer_k_quant_cache(kv_cache: Tensor, dst_k: Tensor, dst_scale: 
     dst_scale uint8 [T, 4*D/Q] of the fp8 index cache, tokens 0.. of each request."""
     from mla_ext.sparse.index_cache_backends import INDEX_GATHER, IndexGatherInputs
 
+    check_no_meta(kv_cache=kv_cache, dst_k=dst_k, dst_scale=dst_scale, block_table=block_table,
+                  cu_seq_lens=cu_seq_lens)
     if dst_k.dim() != 2 or dst_scale.dim() != 2 or dst_scale.shape[0] != dst_k.shape[0]:
         raise ValueError(f"dst_k / dst_scale: expected [T, D] / [T, 4*D/Q] with one T, got {tuple(dst_k.shape)} / "
                          f"{tuple(dst_scale.shape)}")

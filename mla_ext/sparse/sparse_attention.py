@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mla_ext._args import check_no_meta
 from mla_ext.attention import triton_latent as TL
-from mla_ext.cache.reference import decode_cache_rows
 from mla_ext.cache.checks import check_cache_dtype
+from mla_ext.cache.reference import decode_cache_rows
 from mla_ext.dispatch import Backend, Dispatcher
 from mla_ext.formats import QuantMode, get_format
 from mla_ext.prefill.absorbed import latent_outputs
@@ -176,6 +177,8 @@ def sparse_latent_attention(
         _check(isinstance(k_scale, Tensor) and k_scale.numel() == 1,
                f"k_scale: {fmt.name!r} needs a float32 tensor of 1 element")
     check_cache_dtype(kv_cache, fmt)  # a float8 cache of the other fp8 type would decode wrongly
+    check_no_meta(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, indices=indices,
+                  new_kv_c=new_kv_c, new_k_pe=new_k_pe, k_scale=k_scale)
     for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("block_table", block_table), ("indices", indices),
                     ("new_kv_c", new_kv_c), ("new_k_pe", new_k_pe)):
         _check(t.device == q_lat.device, f"{name}: expected device {q_lat.device} (q_lat's), got {t.device}")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla_ext.sparse.index_cache import gather_index_keys, get_index_format
+from mla_ext._args import check_no_meta
+from mla_ext.sparse.index_cache import check_index_cache, gather_index_keys, get_index_format
 from mla_ext.sparse.reference import PAD, check_lens
 
 DEFAULT_CHUNK = 4096
@@ -90,6 +91,9 @@ def indexer_topk(
     if any(ctx_lens) and (index_cache is None or block_table is None):
         raise ValueError("index_cache / block_table: required when a request has context")
     D = q_idx.shape[2]
+    check_no_meta(q_idx=q_idx, w=w, k_new=k_new, block_table=block_table)
+    if index_cache is not None:  # its width against D here, not as a shape error deep in the scoring
+        check_index_cache(index_cache, fmt, D)
     dev = q_idx.device
     if backend == "triton":
         from mla_ext.sparse import triton_indexer

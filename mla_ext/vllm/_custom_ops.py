@@ -71,6 +71,10 @@ merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, 
     vLLM's Triton and torch paths); vLLM's CUDA kernel copies prefix_output
     there instead.
 
+Offsets on CPU tensors (cu_seq_lens, seq_starts, workspace_starts) are read and a
+negative, decreasing or past-dst one is refused naming it; on CUDA they are not read
+(no host sync) and the kernels bound every row.
+
 Where the surface differs from vLLM 0.33 (also in README "Using mla_ext from vLLM"):
   * gather rows whose token lies past the block table's width, or whose block
     id is out of [0, num_blocks), are written as zeros (mla_ext's defined
@@ -323,6 +327,17 @@ def _check_output_scale_value(output_scale: Tensor) -> None:
         _check(math.isfinite(v) and v > 0, f"output_scale: expected a finite value > 0, got {v}")
 
 
+def _check_offsets_on_cpu(dst: Tensor, cu_seq_lens: Tensor, num_reqs: int, seq_starts: Tensor | None) -> None:
+    """CPU tensors: cu_seq_lens (negative, decreasing, past dst) and seq_starts (negative) are read
+    and refused naming them (free on the host). On CUDA they are not read (that would sync): the
+    kernels write no row outside dst and give zero rows for tokens outside the table, as vLLM's."""
+    if dst.device.type == "cpu":
+        _check(seq_starts is None or (seq_starts.dim() == 1 and seq_starts.numel() >= num_reqs),
+               f"seq_starts: expected [>= {num_reqs}] (one per request), got "
+               f"{None if seq_starts is None else tuple(seq_starts.shape)}")
+        cache_checks.check_offsets(cu_seq_lens, num_reqs, seq_starts, dst.size(0))
+
+
 # -- the ops -----------------------------------------------------------------
 
 @torch.library.custom_op(f"{NAMESPACE}::concat_and_cache_mla", mutates_args=("kv_cache",))
@@ -345,6 +360,7 @@ def gather_and_maybe_dequant_cache(src_cache: Tensor, dst: Tensor, block_table: 
                                    seq_starts: Optional[Tensor] = None) -> None:
     _check_gather(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens, kv_cache_dtype, scale,
                   seq_starts)
+    _check_offsets_on_cpu(dst, cu_seq_lens, cu_seq_lens.numel() - 1, seq_starts)
     cache_api.gather_and_maybe_dequant_cache(_format_bytes(src_cache, kv_cache_dtype), dst, block_table,
                                              cu_seq_lens, cu_seq_lens.numel() - 1, kv_cache_dtype, scale,
                                              seq_starts)
@@ -361,6 +377,7 @@ def _(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens, kv_cac
 def cp_gather_cache(src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, batch_size: int,
                     seq_starts: Optional[Tensor] = None) -> None:
     _check_cp_gather(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts)
+    _check_offsets_on_cpu(dst, cu_seq_lens, batch_size, seq_starts)
     cache_api.cp_gather_cache(src_cache, _raw_dst(src_cache, dst), block_table, cu_seq_lens, batch_size,
                               seq_starts)
 
@@ -383,10 +400,7 @@ def _upconvert(src_cache, dst, block_table, workspace_starts, batch_size, seq_st
     cu_seq_lens = torch.cat([workspace_starts[:batch_size], end])
     if dst.device.type == "cpu":
         cache_checks.check_row_starts(workspace_starts, batch_size, dst.size(0), "workspace_starts")
-        if seq_starts is not None:
-            _check(seq_starts.dim() == 1 and seq_starts.numel() >= batch_size,
-                   f"seq_starts: expected [>= {batch_size}] (one per request), got {tuple(seq_starts.shape)}")
-            cache_checks.check_offsets(cu_seq_lens, batch_size, seq_starts, dst.size(0), arg="workspace_starts")
+    _check_offsets_on_cpu(dst, cu_seq_lens, batch_size, seq_starts)  # seq_starts (the rows are valid now)
     cache_api.gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, kv_cache_dtype,
                                              _unit_scale(src_cache.device), seq_starts)
 

@@ -162,6 +162,15 @@ OFFSET_OPS = (
              lambda a: _vllm().cp_gather_and_upconvert_nvfp4_kv_cache(a["src_cache"], a["dst"], a["block_table"],
                                                                       a["workspace_starts"], 3),
              {"workspace_starts": "row_starts"}, ("dst",)),
+    OffsetOp("mla_ext.vllm._custom_ops:gather_and_maybe_dequant_cache", _latent_setup("fp8", 576),
+             lambda a: _vllm().gather_and_maybe_dequant_cache(a["src_cache"], a["dst"], a["block_table"],
+                                                              a["cu_seq_lens"], torch.zeros(ROWS, dtype=I32), 0,
+                                                              "fp8", a["k_scale"], a["seq_starts"]),
+             {"cu_seq_lens": "cu", "seq_starts": "starts"}, ("dst",)),
+    OffsetOp("mla_ext.vllm._custom_ops:cp_gather_cache", _latent_setup("auto", 128, raw=True),
+             lambda a: _vllm().cp_gather_cache(a["src_cache"], a["dst"], a["block_table"], a["cu_seq_lens"], 3,
+                                               a["seq_starts"]),
+             {"cu_seq_lens": "cu", "seq_starts": "starts"}, ("dst",)),
     # The latent gathers check the same offsets with validate=True (one checker:
     # mla_ext.cache.checks.check_block_ids).
     OffsetOp("mla_ext.cache.api:gather_and_maybe_dequant_cache", _latent_setup("fp8", 128),
