@@ -3,8 +3,10 @@
 Errors are API: each raises ValueError naming the argument and what was
 expected. The shape/dtype/stride and memory-overlap checks never read tensor
 data (no host sync);
-`check_block_ids`, `check_slots` and `check_scale_value` do read data and are
-used only when the caller asks for `validate=True` (or the data is on the CPU).
+`check_offsets`, `check_row_starts`, `check_block_ids`, `check_slots` and
+`check_scale_value` do read data and are used only when the caller asks for
+`validate=True` or the data is on the CPU (the index-cache gathers and vLLM's
+surface check offsets on CPU tensors by default; CUDA kernels bound every row).
 """
 from __future__ import annotations
 
