@@ -162,3 +162,19 @@ def test_vllm_latent_gathers_refuse_bad_offsets_on_the_host(op, cu, starts, matc
             vops.gather_and_maybe_dequant_cache(cache, dst, TABLE, cu_t, torch.zeros(9, dtype=I32), 9, "auto",
                                                 torch.ones(1), st)
     assert dst.eq(5.0).all()
+
+
+@pytest.mark.parametrize("cu,starts,match", [
+    ([0, 12, 10], None, r"cu_seq_lens: request 1 has a negative length \(12 -> 10\)"),
+    ([0, 10, 21], [0, -4], r"seq_starts: request 1 starts at -4, expected >= 0"),
+])
+def test_absorbed_context_attention_refuses_bad_offset_tensors_on_the_host(cu, starts, match):
+    from mla_ext.prefill import absorbed as A
+
+    cache = torch.randn(6, B, 80)
+    q_lat, q_pe = torch.randn(2, 3, 64), torch.randn(3, 2, 16)
+    q_off, c_off = [0, 2, 3], [0, 10, 21]  # the host ints are valid: the tensors are what is read
+    with pytest.raises(ValueError, match=match):
+        A.latent_context_attention(q_lat, q_pe, cache, "auto", TABLE, torch.tensor(q_off, dtype=I32),
+                                   torch.tensor(cu, dtype=I32), None if starts is None else torch.tensor(
+                                       starts, dtype=I32), None, 0.125, q_offsets=q_off, ctx_offsets=c_off)

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from mla_ext.attention import triton_latent as TL
 from mla_ext.cache import api as cache_api
-from mla_ext.cache.checks import check_cache_dtype
+from mla_ext.cache.checks import check_cache_dtype, check_offsets
 from mla_ext.dispatch import Backend, Dispatcher
 from mla_ext.formats import get_format
 
@@ -292,6 +292,8 @@ def latent_context_attention(
             _check(isinstance(seq_starts, Tensor) and seq_starts.dtype == torch.int32
                    and seq_starts.numel() == len(qo) - 1 and seq_starts.device == q_lat.device,
                    f"seq_starts: expected an int32 tensor [{len(qo) - 1}] on {q_lat.device}")
+        if cu_seq_lens.device.type == "cpu":  # free here (on CUDA a read would sync; the kernel bounds rows)
+            check_offsets(cu_seq_lens, len(qo) - 1, seq_starts)
     x = LatentInputs(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, cu_seqlens_q, cu_seq_lens, seq_starts,
                      k_scale, float(softmax_scale), qo, co, workspace, rows)
     if T == 0 or N == 0:
