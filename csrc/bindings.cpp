@@ -1199,12 +1199,31 @@ void index_cache_write_cpu(const at::Tensor& k, const at::Tensor& cache, const a
   ic::write_cpu(index_write_params(k, cache, slot_mapping, index_cache_dtype, quant_block_size, scale_fmt));
 }
 
+// The offsets read on the host, as mla_ext.cache.checks.check_offsets does in Python (same
+// messages): free for CPU tensors. The CUDA op does not read them (that would sync): its kernel
+// bounds every row instead (request_of / gather_page: rows outside cu_seq_lens are untouched,
+// a token outside the table or the cache reads zeros).
+void check_index_gather_offsets(const ic::GatherParams& p) {
+  const int32_t* cu = p.cu_seq_lens;
+  TORCH_CHECK_VALUE(p.num_reqs == 0 || cu[0] >= 0, "cu_seq_lens: entry 0 is ", cu[0], ", expected >= 0");
+  for (int32_t r = 0; r < p.num_reqs; ++r) {
+    TORCH_CHECK_VALUE(cu[r + 1] >= cu[r], "cu_seq_lens: request ", r, " has a negative length (", cu[r], " -> ",
+                      cu[r + 1], "); expected non-decreasing offsets");
+    TORCH_CHECK_VALUE(cu[r + 1] <= p.dst_rows, "cu_seq_lens: request ", r, " ends at row ", cu[r + 1],
+                      " but dst has ", p.dst_rows, " rows");
+    TORCH_CHECK_VALUE(p.seq_starts == nullptr || cu[r + 1] == cu[r] || p.seq_starts[r] >= 0, "seq_starts: request ",
+                      r, " starts at ", p.seq_starts == nullptr ? 0 : p.seq_starts[r], ", expected >= 0");
+  }
+}
+
 void index_cache_gather_cpu(const at::Tensor& cache, const at::Tensor& dst, const at::Tensor& block_table,
                             const at::Tensor& cu_seq_lens, const std::string& index_cache_dtype, int64_t head_dim,
                             const std::optional<at::Tensor>& seq_starts,
                             const std::optional<at::Tensor>& dst_scale) {
-  ic::gather_cpu(index_gather_params(cache, dst, block_table, cu_seq_lens, index_cache_dtype, head_dim,
-                                     seq_starts, dst_scale));
+  const ic::GatherParams p = index_gather_params(cache, dst, block_table, cu_seq_lens, index_cache_dtype, head_dim,
+                                                 seq_starts, dst_scale);
+  check_index_gather_offsets(p);
+  ic::gather_cpu(p);
 }
 
 #ifdef MLA_EXT_WITH_CUDA

@@ -73,6 +73,16 @@ def check_tensor(value, arg: str) -> torch.Tensor:
     return value
 
 
+def check_no_meta(**tensors) -> None:
+    """Each named tensor holds data: a meta tensor (shape only) has nothing to compute on and
+    would fail deep inside (a copy out of meta, a backend for no device) naming nothing.
+    Non-tensors and None are left to the callers' own checks."""
+    for arg, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise ValueError(f"{arg}: a meta tensor (shape only, no data) cannot be computed on; "
+                             "expected a CPU or CUDA tensor")
+
+
 def env_switch(name: str, unset: str, unset_means: str) -> str:
     """A tri-state opt-in variable: "on" (1/on/true/yes), "off" (0/off/false/no) or
     `unset` when empty, unset or "auto"; any other value is a ValueError naming the

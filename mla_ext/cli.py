@@ -30,12 +30,15 @@ import torch
 
 from mla_ext import _ext
 from mla_ext._args import int_flag, one_line_parser
+from mla_ext.dispatch import DISPATCHER_MODULES, all_dispatchers
 from mla_ext.formats import ALL_NAMES
 from mla_ext.models import get_model_config, known_model_names
 from mla_ext.planner import MAX_MEMORY_BYTES, render_plan
 from mla_ext.policy import CacheConfig
 
-BACKEND_MODULES = ("mla_ext.cache.api", "mla_ext.kv_b_proj.linear", "mla_ext.attention.api")
+# Every module with a dispatcher (mla_ext.dispatch.DISPATCHER_MODULES), then the indexer's
+# top-k, whose backend is an argument rather than a Dispatcher.
+BACKEND_MODULES = DISPATCHER_MODULES + ("mla_ext.sparse.topk",)
 INT32_MAX = 2**31 - 1  # block sizes and page alignments are int32 in the kernels and the planner
 # stdout failures that end the command with one line instead of a traceback: a closed
 # pipe (`plan ... | true`), a full disk (`> /dev/full`), a quota, a file too large, I/O.
@@ -150,7 +153,19 @@ def info_dict() -> dict:
         "backends": [
             {"op": op, "backend": b, "reasons": r} for op, b, r in backend_reports()
         ],
+        "dispatchers": _dispatcher_rows(),
     }
+
+
+def _dispatcher_rows() -> list[dict]:
+    """Every dispatcher of the library (mla_ext.dispatch.all_dispatchers): its op, its backends
+    in the stated order and the one forced (MLA_EXT_FORCE_<OP> or .force()), if any."""
+    try:
+        found = all_dispatchers()
+    except Exception as exc:  # a broken module must not hide the rest of `info`
+        return [{"op": f"failed to list the dispatchers: {type(exc).__name__}: {exc}", "backends": [],
+                 "forced": None}]
+    return [{"op": d.op, "backends": [b.name for b in d.backends], "forced": d._forced_name()} for d in found]
 
 
 def format_info(d: dict) -> str:
@@ -183,6 +198,10 @@ def format_info(d: dict) -> str:
         else:
             state = "usable" if not row["reasons"] else "not usable: " + "; ".join(row["reasons"])
             lines.append(f"  {row['op']} / {row['backend']}: {state}")
+    lines += ["", "dispatchers (backends in the stated order)"]
+    for row in d.get("dispatchers", []):
+        forced = f" (forced: {row['forced']})" if row.get("forced") else ""
+        lines.append(f"  {row['op']}: {', '.join(row['backends'])}{forced}")
     return "\n".join(lines)
 
 

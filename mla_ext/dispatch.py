@@ -30,8 +30,9 @@ for the bucket, or no usable measured backend, it falls back to the stated order
 "no measurement for <device>: stated order". MLA_EXT_DISPATCH_TABLES=<dir> reads
 the tables from another folder; MLA_EXT_DISPATCH_TABLES=off ignores them.
 
-A table never makes a call fail. A file over MAX_TABLE_BYTES, one that does not
-parse (truncated, nested past the parser's recursion limit, ...) or does not
+A table never makes a call fail (nor blocks one). A table path that is not a
+regular file (a FIFO, a directory, a device, a socket) is never opened; it, a file
+over MAX_TABLE_BYTES, one that does not parse (truncated, nested past the parser's recursion limit, ...) or does not
 follow the schema above (every measured time a finite number) is ignored: one
 warning (TableWarning) names the file and the reason, and `explain()` repeats it.
 Backend names an op does not have (a typo) are refused when the op first reads its
@@ -56,6 +57,7 @@ import json
 import math
 import os
 import re
+import stat
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -220,12 +222,28 @@ def read_table(path: str) -> tuple[dict | None, str | None]:
         return res
 
 
+def _not_regular(mode: int) -> str:
+    """'' for a regular file, else what the file is (a table is only ever read from a regular file)."""
+    if stat.S_ISREG(mode):
+        return ""
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
 def _parse_table(path: str) -> dict | str:
     """The validated table at `path`, or why it cannot be used. Reads at most
     MAX_TABLE_BYTES + 1 bytes; every exception (a RecursionError from deep nesting,
     a MemoryError, a decode error, ...) is a reason, never raised."""
     try:
-        with open(path, "rb") as f:
+        kind = _not_regular(os.stat(path).st_mode)
+        if kind:  # a FIFO would block open() (and so every dispatch) forever: never opened
+            return f"not a regular file ({kind}); never opened"
+        # O_NONBLOCK: a file swapped for a FIFO after the stat still cannot block the open.
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            kind = _not_regular(os.fstat(f.fileno()).st_mode)
+            if kind:
+                return f"not a regular file ({kind}); not read"
             raw = f.read(MAX_TABLE_BYTES + 1)
         if len(raw) > MAX_TABLE_BYTES:
             return f"larger than MAX_TABLE_BYTES={MAX_TABLE_BYTES} bytes (not a measurement table)"
@@ -477,3 +495,39 @@ class Dispatcher:
             yield
         finally:
             self._forced = prev
+
+
+# -- every dispatcher of the library (for `python -m mla_ext info`) --------------
+
+# The modules that build the library's dispatchers (module-level Dispatcher objects).
+# `all_dispatchers()` lists every Dispatcher defined in them, so a new one in any of these
+# modules is listed by construction; tests/test_cli_dispatchers.py fails naming a module of
+# mla_ext that builds a Dispatcher and is missing here.
+DISPATCHER_MODULES = (
+    "mla_ext.cache.api", "mla_ext.kv_b_proj.linear", "mla_ext.attention.api", "mla_ext.prefill.absorbed",
+    "mla_ext.sparse.index_cache_backends", "mla_ext.sparse.sparse_attention",
+)
+
+
+def all_dispatchers() -> list[Dispatcher]:
+    """Every module-level Dispatcher of DISPATCHER_MODULES (imported here), in that order."""
+    import importlib
+
+    out: list[Dispatcher] = []
+    for name in DISPATCHER_MODULES:
+        for obj in vars(importlib.import_module(name)).values():
+            if isinstance(obj, Dispatcher) and all(obj is not d for d in out):
+                out.append(obj)
+    return out
+
+
+def report_device(device=None):
+    """The device a backend_report() probes: `device`, else CUDA when visible, else the CPU."""
+    import torch
+
+    if device is not None:
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

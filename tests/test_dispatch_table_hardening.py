@@ -98,3 +98,36 @@ def test_a_400_digit_rate_falls_back_to_the_stated_rates(tmp_path, monkeypatch):
         assert got.source.startswith("stated defaults")
     finally:
         AC.clear_rates_cache()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_table_path_that_is_not_a_regular_file_is_skipped_unopened(tmp_path, monkeypatch, kind):
+    """A FIFO would block open() forever (every kv_b_proj call with it); it is never opened."""
+    import os
+    import threading
+
+    path = tmp_path / FILE
+    if kind == "fifo":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("no FIFOs on this platform")
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k))
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(calls=_calls(_toy(tmp_path))), daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # unblock the reader before failing, so the test process can end
+        with open(os.open(path, os.O_WRONLY | os.O_NONBLOCK), "w") if kind == "fifo" else open(os.devnull):
+            pass
+        pytest.fail("dispatch blocked on the table path")
+    out, warned = result["calls"]
+    assert all(r == "b" for r, _ in out)  # the stated order
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    msg = str(warned[0].message)
+    want = "a FIFO" if kind == "fifo" else "a directory"
+    assert str(path) in msg and f"not a regular file ({want}); never opened" in msg
+    assert str(path) not in map(str, opened)

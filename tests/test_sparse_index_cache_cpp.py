@@ -224,7 +224,8 @@ def test_ue8m0_scale_one_ulp_above_a_power_of_two_rounds_up_everywhere():
 
 
 def test_cpu_range_check_refuses_exactly_what_the_torch_gather_refuses():
-    """The wrappers' per-table-entry check (`_check_table_cpu`) against the per-token `_token_slots`."""
+    """The wrappers' per-table-entry check (`check_gather_offsets`, i.e. mla_ext.cache.checks.check_block_ids)
+    against the per-token `_token_slots`."""
     g = torch.Generator().manual_seed(11)
     for trial in range(200):
         B, nb, n = int(torch.randint(1, 5, (1,), generator=g)), 6, int(torch.randint(1, 4, (1,), generator=g))
@@ -233,10 +234,13 @@ def test_cpu_range_check_refuses_exactly_what_the_torch_gather_refuses():
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
         starts = torch.randint(0, B + 1, (n,), generator=g, dtype=torch.int32) if trial % 2 else None
         outcome = []
-        for check in (ic._token_slots, ic._check_table_cpu):
+        cache = torch.empty(nb, B, 4)
+        for check in (lambda: ic._token_slots(table, cu, starts, B, nb),
+                      lambda: ic.check_gather_offsets(cache, table, cu, starts, B)):
             try:
-                check(table, cu, starts, B, nb)
+                check()
                 outcome.append("ok")
             except ValueError as e:
-                outcome.append(str(e).split(":")[0] + (" width" if "width" in str(e) else ""))
+                past = "width" in str(e) or "columns" in str(e)  # a logical block past the table
+                outcome.append(str(e).split(":")[0] + (" width" if past else ""))
         assert outcome[0] == outcome[1], (trial, outcome)

@@ -3,8 +3,10 @@
 Errors are API: each raises ValueError naming the argument and what was
 expected. The shape/dtype/stride and memory-overlap checks never read tensor
 data (no host sync);
-`check_block_ids`, `check_slots` and `check_scale_value` do read data and are
-used only when the caller asks for `validate=True` (or the data is on the CPU).
+`check_offsets`, `check_row_starts`, `check_block_ids`, `check_slots` and
+`check_scale_value` do read data and are used only when the caller asks for
+`validate=True` or the data is on the CPU (the index-cache gathers and vLLM's
+surface check offsets on CPU tensors by default; CUDA kernels bound every row).
 """
 from __future__ import annotations
 
@@ -165,13 +167,14 @@ def _check_cache_layout(cache, arg: str) -> Tensor:
     return cache
 
 
-def check_cache(cache, fmt: CacheFormat, arg: str = "kv_cache") -> tuple[int, int, int]:
-    """A `[num_blocks, B, entry]` cache of `fmt`; returns (num_blocks, B, entry).
-
-    The last dim must be contiguous; block and entry strides are free (a cache
-    may be a view into a larger buffer) but must be non-negative.
-    """
-    cache = _check_cache_layout(cache, arg)
+def check_cache_dtype(cache: Tensor, fmt: CacheFormat, arg: str = "kv_cache", typed: bool = True) -> None:
+    """The cache's element type for `fmt` (no data read). A native format takes a bf16/fp16/fp32
+    cache (the format's own dtype where its name gives one); a quantized format takes bytes:
+    uint8, or (`typed`) the float8 type the format stores (fp8 -> float8_e4m3fn, fp8_e5m2 ->
+    float8_e5m2). A float8 cache of the other type is refused naming kv_cache_dtype and the
+    cache's dtype: its bytes would decode as the other format. (vLLM's layer views every fp8
+    cache as float8_e4m3fn; mla_ext.vllm._custom_ops passes such caches as uint8 bytes, where
+    the format string decides, as in vLLM.)"""
     if fmt.quant_mode == QuantMode.NONE:
         if cache.dtype not in NATIVE_DTYPES:
             raise ValueError(
@@ -180,13 +183,22 @@ def check_cache(cache, fmt: CacheFormat, arg: str = "kv_cache") -> tuple[int, in
         want = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(fmt.storage)
         if want is not None and cache.dtype != want:
             raise ValueError(f"{arg}: kv_cache_dtype {fmt.name!r} needs a {want} cache, got {cache.dtype}")
-    else:
-        ok = cache.dtype == torch.uint8 or (
-            fmt.quant_mode == QuantMode.FP8_PER_TENSOR and cache.dtype == fmt.fp8_dtype
-        )
-        if not ok:
-            also = f" or {fmt.fp8_dtype}" if fmt.quant_mode == QuantMode.FP8_PER_TENSOR else ""
-            raise ValueError(f"{arg}: kv_cache_dtype {fmt.name!r} needs a torch.uint8{also} cache, got {cache.dtype}")
+        return
+    typed_dtype = fmt.fp8_dtype if typed else None
+    if cache.dtype != torch.uint8 and (typed_dtype is None or cache.dtype != typed_dtype):
+        also = f" or {typed_dtype}" if typed_dtype is not None else ""
+        raise ValueError(f"{arg}: kv_cache_dtype {fmt.name!r} needs a torch.uint8{also} cache, got {cache.dtype}")
+
+
+def check_cache(cache, fmt: CacheFormat, arg: str = "kv_cache") -> tuple[int, int, int]:
+    """A `[num_blocks, B, entry]` cache of `fmt`; returns (num_blocks, B, entry).
+
+    The last dim must be contiguous; block and entry strides are free (a cache
+    may be a view into a larger buffer) but must be non-negative.
+    """
+    cache = _check_cache_layout(cache, arg)
+    check_cache_dtype(cache, fmt, arg, typed=fmt.quant_mode == QuantMode.FP8_PER_TENSOR)
+    if fmt.quant_mode != QuantMode.NONE:
         fixed = fmt.fixed_entry_bytes  # fp8_ds_mla 656, nvfp4_ds_mla 352
         if fixed is not None and cache.size(2) != fixed:
             raise ValueError(
@@ -359,47 +371,94 @@ def validate_cp_gather_args(src_cache, dst, block_table, cu_seq_lens, num_reqs, 
     return GatherInfo(fmt, True, src_cache.size(0), src_cache.size(1), src_cache.size(2), dst.size(1))
 
 
+def _first(mask: Tensor) -> int | None:
+    """Index of the first True of a 1-D mask, or None."""
+    hit = mask.nonzero()
+    return int(hit[0, 0]) if hit.numel() else None
+
+
+def check_offsets(
+    cu_seq_lens: Tensor, num_reqs: int, seq_starts: Tensor | None = None, dst_rows: int | None = None, *,
+    arg: str = "cu_seq_lens", dst_arg: str = "dst",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Reads the offsets (host sync) and raises naming the argument and the first bad request.
+
+    `cu_seq_lens[:num_reqs + 1]` (called `arg`) are row offsets into `dst_arg`: they start at
+    >= 0, never decrease, and (with `dst_rows`) no request ends past dst's rows; `seq_starts`
+    (a request's first token) are >= 0 for every request with rows. Vectorized (one pass, no
+    per-request Python loop). Returns int64 CPU (cu, lens, starts) for the callers' table checks.
+    Callers on CUDA tensors skip this (it would sync): there the kernels bound every read.
+    """
+    cu = cu_seq_lens.to("cpu", torch.int64)[: num_reqs + 1]
+    lens = cu[1:] - cu[:-1]
+    starts = (seq_starts.to("cpu", torch.int64)[:num_reqs] if seq_starts is not None
+              else torch.zeros(num_reqs, dtype=torch.int64))
+    if num_reqs and int(cu[0]) < 0:
+        raise ValueError(f"{arg}: entry 0 is {int(cu[0])}, expected >= 0")
+    r = _first(lens < 0)
+    if r is not None:
+        raise ValueError(f"{arg}: request {r} has a negative length ({int(cu[r])} -> {int(cu[r + 1])}); "
+                         "expected non-decreasing offsets")
+    if dst_rows is not None and num_reqs:
+        r = _first(cu[1:] > dst_rows)
+        if r is not None:
+            raise ValueError(f"{arg}: request {r} ends at row {int(cu[r + 1])} but {dst_arg} has {dst_rows} rows")
+    r = _first((starts < 0) & (lens > 0))
+    if r is not None:
+        raise ValueError(f"seq_starts: request {r} starts at {int(starts[r])}, expected >= 0")
+    return cu, lens, starts
+
+
+def check_row_starts(starts: Tensor, count: int, dst_rows: int, arg: str, dst_arg: str = "dst") -> None:
+    """Reads `starts[:count]` (host sync): where each request's rows begin in `dst_arg`, the
+    last request running to its end (vLLM's workspace_starts). Each is >= 0, none decreases,
+    none is past dst's `dst_rows` rows; the error names `arg` and the first bad request."""
+    s = starts.to("cpu", torch.int64)[:count]
+    r = _first(s < 0)
+    if r is not None:
+        raise ValueError(f"{arg}: request {r} starts at row {int(s[r])}, expected >= 0")
+    r = _first(s[1:] < s[:-1])
+    if r is not None:
+        raise ValueError(f"{arg}: request {r + 1} starts at row {int(s[r + 1])}, before request {r} "
+                         f"(row {int(s[r])}); expected non-decreasing offsets")
+    r = _first(s > dst_rows)
+    if r is not None:
+        raise ValueError(f"{arg}: request {r} starts at row {int(s[r])}, past the {dst_rows} rows of {dst_arg}")
+
+
 def check_block_ids(
     block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int, seq_starts: Tensor | None,
-    num_blocks: int, block_size: int, dst_rows: int | None = None,
-) -> None:
+    num_blocks: int, block_size: int, dst_rows: int | None = None, *, arg: str = "cu_seq_lens",
+    dst_arg: str = "dst",
+) -> int:
     """Reads the index tensors (host sync) and raises naming the first bad request and block.
 
-    Checks: cu_seq_lens starts at >= 0 and never decreases, no request ends past
-    `dst_rows` (the kernels would drop its rows), seq_starts are >= 0, every
-    logical block a request touches is inside the table width, and its
-    physical block id is in [0, num_blocks).
+    Checks: the offsets (check_offsets: cu_seq_lens starts at >= 0 and never decreases, no
+    request ends past `dst_rows`, seq_starts are >= 0), every logical block a request touches
+    is inside the table width, and its physical block id is in [0, num_blocks). Returns the
+    rows the requests fill (cu_seq_lens[num_reqs], 0 without requests).
     """
-    cu = cu_seq_lens.to("cpu", torch.int64).tolist()
-    starts = seq_starts.to("cpu", torch.int64).tolist() if seq_starts is not None else None
-    bt = block_table.to("cpu", torch.int64)
-    width = bt.size(1)
-    if num_reqs and cu[0] < 0:
-        raise ValueError(f"cu_seq_lens: entry 0 is {cu[0]}, expected >= 0")
-    for r in range(num_reqs):
-        n = cu[r + 1] - cu[r]
-        if n < 0:
-            raise ValueError(f"cu_seq_lens: request {r} has a negative length ({cu[r]} -> {cu[r + 1]})")
-        if dst_rows is not None and cu[r + 1] > dst_rows:
-            raise ValueError(
-                f"cu_seq_lens: request {r} ends at row {cu[r + 1]} but dst has {dst_rows} rows"
-            )
-        if n == 0:
-            continue
-        s = starts[r] if starts is not None else 0
-        if s < 0:
-            raise ValueError(f"seq_starts: request {r} starts at {s}, expected >= 0")
-        first, last = s // block_size, (s + n - 1) // block_size
-        if last >= width:
-            raise ValueError(
-                f"block_table: request {r} needs logical block {last} (tokens {s}..{s + n - 1}, "
-                f"block_size {block_size}) but the table has {width} columns"
-            )
-        ids = bt[r, first : last + 1]
-        bad = ((ids < 0) | (ids >= num_blocks)).nonzero()
-        if bad.numel():
-            j = int(bad[0, 0])
-            raise ValueError(
-                f"block_table: request {r}, logical block {first + j} holds block id {int(ids[j])}, "
-                f"outside [0, {num_blocks})"
-            )
+    cu, lens, starts = check_offsets(cu_seq_lens, num_reqs, seq_starts, dst_rows, arg=arg, dst_arg=dst_arg)
+    if block_table.dim() != 2 or block_table.size(0) < num_reqs:
+        raise ValueError(f"block_table: expected [>= {num_reqs}, max_blocks], got {tuple(block_table.shape)}")
+    width = block_table.size(1)
+    live = lens > 0
+    first, last = starts // block_size, (starts + lens - 1) // block_size
+    r = _first(live & (last >= width))
+    if r is not None:
+        s, n = int(starts[r]), int(lens[r])
+        raise ValueError(
+            f"block_table: request {r} needs logical block {int(last[r])} (tokens {s}..{s + n - 1}, "
+            f"block_size {block_size}) but the table has {width} columns"
+        )
+    cols = torch.arange(width)
+    used = live[:, None] & (cols >= first[:, None]) & (cols <= last[:, None])
+    ids = block_table[:num_reqs].to("cpu", torch.int64)
+    bad = (((ids < 0) | (ids >= num_blocks)) & used).nonzero()  # row-major: the first request, then block
+    if bad.numel():
+        r, j = int(bad[0, 0]), int(bad[0, 1])
+        raise ValueError(
+            f"block_table: request {r}, logical block {j} holds block id {int(ids[r, j])}, "
+            f"outside [0, {num_blocks})"
+        )
+    return int(cu[-1]) if num_reqs else 0

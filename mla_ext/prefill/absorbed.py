@@ -44,6 +44,7 @@ from torch import Tensor
 
 from mla_ext.attention import triton_latent as TL
 from mla_ext.cache import api as cache_api
+from mla_ext.cache.checks import check_cache_dtype, check_offsets
 from mla_ext.dispatch import Backend, Dispatcher
 from mla_ext.formats import get_format
 
@@ -280,9 +281,10 @@ def latent_context_attention(
                and rows.stride(1) == 1,
                f"rows: expected [>= {co[-1]}, {L + R}] {q_lat.dtype} on {q_lat.device}, unit column stride")
     else:
-        get_format(kv_cache_dtype)
+        fmt = get_format(kv_cache_dtype)
         _check(isinstance(kv_cache, Tensor) and kv_cache.dim() == 3 and kv_cache.device == q_lat.device,
                f"kv_cache: expected a [num_blocks, block_size, entry] tensor on {q_lat.device}")
+        check_cache_dtype(kv_cache, fmt)  # a float8 cache of the other fp8 type would decode wrongly
         _check(isinstance(block_table, Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32
                and block_table.shape[0] >= len(qo) - 1 and block_table.device == q_lat.device,
                f"block_table: expected an int32 tensor [>= {len(qo) - 1}, max_blocks] on {q_lat.device}")
@@ -290,6 +292,8 @@ def latent_context_attention(
             _check(isinstance(seq_starts, Tensor) and seq_starts.dtype == torch.int32
                    and seq_starts.numel() == len(qo) - 1 and seq_starts.device == q_lat.device,
                    f"seq_starts: expected an int32 tensor [{len(qo) - 1}] on {q_lat.device}")
+        if cu_seq_lens.device.type == "cpu":  # free here (on CUDA a read would sync; the kernel bounds rows)
+            check_offsets(cu_seq_lens, len(qo) - 1, seq_starts)
     x = LatentInputs(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, cu_seqlens_q, cu_seq_lens, seq_starts,
                      k_scale, float(softmax_scale), qo, co, workspace, rows)
     if T == 0 or N == 0:

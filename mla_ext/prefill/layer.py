@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mla_ext._args import as_device
+from mla_ext._args import as_device, check_no_meta
 from mla_ext.attention.api import merge_attn_states, varlen_attention
 from mla_ext.attention.sinks import check_sinks
 from mla_ext.attention.scratch import AttentionScratch
@@ -320,6 +320,7 @@ class MLAPrefill:
         # layer attend only the tokens its indexer selects; None (dense families) keeps every path
         # above unchanged.
         self.sparse = sparse
+        check_no_meta(sinks=sinks)  # it would fail at the first forward's copy to q's device
         if sinks is not None:
             where = sinks.device if isinstance(sinks, Tensor) else torch.device("cpu")
             sinks = check_sinks(sinks, model.num_heads, where).detach().clone()
@@ -482,7 +483,7 @@ class MLAPrefill:
             ok_dtypes |= {torch.uint8, s.format.fp8_dtype}
         if kv_cache.dtype not in ok_dtypes or tuple(kv_cache.shape[1:]) != (s.block_size, s.entry_elems):
             raise ValueError(
-                f"kv_cache: layer {s.layer_index} ({s.kv_cache_dtype}) expects "
+                f"kv_cache: layer {s.layer_index} (kv_cache_dtype {s.kv_cache_dtype!r}) expects "
                 f"[num_blocks, {s.block_size}, {s.entry_elems}] {s.storage_dtype}, got "
                 f"{tuple(kv_cache.shape)} {kv_cache.dtype}"
             )
@@ -724,6 +725,7 @@ class MLAPrefill:
         for name, x in (("kv_cache", kv_cache), ("metadata.block_table", metadata.block_table)):
             if x.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (as q), got {x.device}")
+        check_no_meta(q=q, kv_cache=kv_cache, block_table=metadata.block_table, k_scale=k_scale, workspace=workspace)
         self.check_cache(kv_cache)
         self._check_table(metadata, kv_cache, self.validate if validate is None else validate)
         self._refuse_sparse_context(metadata)
@@ -809,6 +811,8 @@ class MLAPrefill:
         for name, x in (("kv_cache", kv_cache), ("metadata.block_table", metadata.block_table)):
             if x.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (as q), got {x.device}")
+        check_no_meta(q=q, kv_c_normed=kv_c_normed, k_pe=k_pe, kv_cache=kv_cache, block_table=metadata.block_table,
+                      k_scale=k_scale, workspace=workspace)
         self.check_cache(kv_cache)
         self._check_table(metadata, kv_cache, self.validate if validate is None else validate)
         self._check_index(index, kv_cache)
@@ -821,8 +825,10 @@ class MLAPrefill:
                 raise ValueError(f"sinks: layer {self.layer_index} has attention sinks and a request past "
                                  f"index_topk={self.sparse.index_topk}; the sparse (DSA) path does not take "
                                  "sinks yet (refused rather than silently dropped)")
+            from mla_ext.sparse.input_checks import check_index_inputs
             from mla_ext.sparse.layer import sparse_forward
 
+            check_index_inputs(self.sparse, index, kv_cache, q)
             return sparse_forward(self, q, kv_c_normed, k_pe, kv_cache, metadata, index, k_scale)
         # Dense from here. For a sparse layer this is reached only when every request with new tokens
         # has context + new <= index_topk (`SparseConfig.drops` is False): its last query sees

@@ -19,7 +19,11 @@ compares both through the compiled op index_cache_format_info):
 The page size (`page_bytes`, `IndexCacheSpec`) is what the planner adds beside the latent page.
 The writer and the gathers dispatch (index_cache_backends.py) to the compiled CUDA kernels, Triton
 (triton_index_cache.py), the compiled CPU kernels (csrc/sparse/), then torch (the reference here);
-on the CPU the wrappers check slots and block ids in range first (ValueError).
+on the CPU the wrappers check slots, block ids and the offsets first (ValueError naming the
+argument: cu_seq_lens negative, decreasing or past the output, seq_starts negative, an output
+too short; `check_gather_offsets`, the latent gathers' checker). On CUDA nothing is read on the
+host (no sync): the kernels bound every row instead (rows outside cu_seq_lens untouched, a token
+outside the table or the cache gives a zero row).
 Gathers follow the latent gather's conventions (SPEC §6): block_table int32
 [num_reqs, max_blocks], cu_seq_lens int32 [num_reqs+1] output row offsets, optional
 seq_starts int32 [num_reqs].
@@ -30,6 +34,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from mla_ext._args import check_no_meta
+from mla_ext.cache.checks import check_block_ids
 
 E4M3_MAX = 448.0
 MIN_SCALE = 1e-4
@@ -106,6 +113,28 @@ def _geometry(cache: Tensor, fmt: IndexCacheFormat, head_dim: int | None) -> tup
     return B, head_dim, (width - head_dim) // 4
 
 
+def check_index_cache(cache, index_cache_dtype, head_dim: int, block_size: int | None = None,
+                      arg: str = "index_cache") -> None:
+    """An index cache for `index_cache_dtype` and index_head_dim `head_dim`, checked up front (no
+    data read): a 3-D tensor of the format's storage dtype holding data (not meta), rows of
+    head_dim values (fp8: head_dim + 4 * head_dim / Q bytes) and, when given, `block_size` tokens
+    per page (the latent cache's: one block table names both pages)."""
+    fmt = get_index_format(index_cache_dtype)
+    if not isinstance(cache, Tensor):
+        raise ValueError(f"{arg}: expected a torch.Tensor, got {type(cache).__name__}")
+    check_no_meta(**{arg: cache})
+    try:
+        B, D, _ = _geometry(cache, fmt, head_dim)
+    except ValueError as exc:
+        raise ValueError(f"{arg}: {exc}") from None
+    if D != head_dim:
+        raise ValueError(f"{arg}: expected rows of index_head_dim={head_dim} values ({fmt.name}), got width "
+                         f"{cache.shape[2]}")
+    if block_size is not None and B != block_size:
+        raise ValueError(f"{arg}: expected block_size {block_size} (the latent cache's: one block table names both "
+                         f"pages), got {B}")
+
+
 def quantize_fp8_rows(k: Tensor, quant_block_size: int, scale_fmt: str | None = None) -> tuple[Tensor, Tensor]:
     """k [T, D] -> (e4m3 values as uint8 [T, D], fp32 scales [T, D/Q]) as the fp8 index cache stores them."""
     T, D = k.shape
@@ -144,6 +173,7 @@ def write_index_cache(k: Tensor, cache: Tensor, slot_mapping: Tensor, index_cach
     from mla_ext.sparse.index_cache_backends import INDEX_WRITE, IndexWriteInputs
 
     fmt = get_index_format(index_cache_dtype)
+    check_no_meta(k=k, cache=cache, slot_mapping=slot_mapping)
     if k.dim() != 2:
         raise ValueError(f"k: expected [T, D], got {tuple(k.shape)}")
     T, D = k.shape
@@ -212,25 +242,18 @@ def _token_slots(block_table: Tensor, cu_seq_lens: Tensor, seq_starts: Tensor | 
     return blk, tok % B
 
 
-def _check_table_cpu(block_table: Tensor, cu_seq_lens: Tensor, seq_starts: Tensor | None, B: int,
-                     num_blocks: int) -> int:
-    """_token_slots' range checks (same errors) per table entry, not per token; the row count."""
-    cu = cu_seq_lens.to(torch.int64).cpu()
-    n = len(cu) - 1
-    if block_table.dim() != 2 or block_table.shape[0] < n:
-        raise ValueError(f"block_table: expected [>= {n}, max_blocks], got {tuple(block_table.shape)}")
-    lens = cu[1:] - cu[:-1]
-    starts = seq_starts.to(torch.int64).cpu()[:n] if seq_starts is not None else torch.zeros(n, dtype=torch.int64)
-    live = lens > 0
-    first, last = starts // B, (starts + lens - 1) // B
-    if bool((last[live] >= block_table.shape[1]).any()):
-        raise ValueError(f"block_table: a token's logical block is past the table width {block_table.shape[1]}")
-    cols = torch.arange(block_table.shape[1])
-    used = live[:, None] & (cols >= first[:, None]) & (cols <= last[:, None])
-    ids = block_table[:n].to(torch.int64).cpu()
-    if bool(((ids < 0) | (ids >= num_blocks))[used].any()):
-        raise ValueError(f"block_table: block ids must be in [0, {num_blocks})")
-    return int(cu[-1])
+def check_gather_offsets(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, seq_starts: Tensor | None,
+                         B: int, dst_rows: int | None = None, dst_arg: str = "out") -> int:
+    """The host checks of a gather on CPU tensors (mla_ext.cache.checks.check_block_ids, the latent
+    gathers' checker): cu_seq_lens non-negative and non-decreasing, no request past `dst_rows`,
+    seq_starts >= 0, every block a request reads inside the table and the cache. Returns the rows.
+    CUDA tensors are not read (that would sync): the kernels give zero rows for anything out of range."""
+    if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 1:
+        raise ValueError(f"cu_seq_lens: expected [num_reqs + 1] offsets, got shape {tuple(cu_seq_lens.shape)}")
+    n = cu_seq_lens.numel() - 1
+    if seq_starts is not None and (seq_starts.dim() != 1 or seq_starts.numel() < n):
+        raise ValueError(f"seq_starts: expected [>= {n}] (one per request), got shape {tuple(seq_starts.shape)}")
+    return check_block_ids(block_table, cu_seq_lens, n, seq_starts, cache.shape[0], B, dst_rows, dst_arg=dst_arg)
 
 
 def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, index_cache_dtype="bfloat16", *,
@@ -242,11 +265,15 @@ def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, i
     from mla_ext.sparse.index_cache_backends import INDEX_GATHER, IndexGatherInputs
 
     fmt = get_index_format(index_cache_dtype)
+    check_no_meta(cache=cache, block_table=block_table, cu_seq_lens=cu_seq_lens, seq_starts=seq_starts, out=out)
     B, D, S = _geometry(cache, fmt, head_dim)
-    if cache.device.type == "cpu":
-        rows = _check_table_cpu(block_table, cu_seq_lens, seq_starts, B, cache.shape[0])  # raises when out of range
-        if out is not None and tuple(out.shape) != (rows, D):
-            raise ValueError(f"out: expected {(rows, D)}, got {tuple(out.shape)}")
+    if out is not None and (out.dim() != 2 or out.shape[1] != D):
+        raise ValueError(f"out: expected [rows, {D}], got {tuple(out.shape)}")
+    if cache.device.type == "cpu":  # raises when out of range
+        rows = check_gather_offsets(cache, block_table, cu_seq_lens, seq_starts, B,
+                                    None if out is None else out.shape[0])
+        if out is not None and out.shape[0] != rows:
+            raise ValueError(f"out: expected {rows} rows (cu_seq_lens[-1]), got {out.shape[0]}")
     if out is None:
         out = torch.empty(int(cu_seq_lens[-1]), D, dtype=torch.float32, device=cache.device)
     INDEX_GATHER(IndexGatherInputs(cache, block_table, cu_seq_lens, fmt, seq_starts, D, out))
@@ -278,10 +305,14 @@ def cp_gather_indexer_k_quant_cache(kv_cache: Tensor, dst_k: Tensor, dst_scale: 
     dst_scale uint8 [T, 4*D/Q] of the fp8 index cache, tokens 0.. of each request."""
     from mla_ext.sparse.index_cache_backends import INDEX_GATHER, IndexGatherInputs
 
-    D = dst_k.shape[1]
-    B, D, S = _geometry(kv_cache, FORMATS["fp8"], D)
-    if kv_cache.device.type == "cpu":
-        _check_table_cpu(block_table, cu_seq_lens, None, B, kv_cache.shape[0])  # raises when out of range
+    check_no_meta(kv_cache=kv_cache, dst_k=dst_k, dst_scale=dst_scale, block_table=block_table,
+                  cu_seq_lens=cu_seq_lens)
+    if dst_k.dim() != 2 or dst_scale.dim() != 2 or dst_scale.shape[0] != dst_k.shape[0]:
+        raise ValueError(f"dst_k / dst_scale: expected [T, D] / [T, 4*D/Q] with one T, got {tuple(dst_k.shape)} / "
+                         f"{tuple(dst_scale.shape)}")
+    B, D, S = _geometry(kv_cache, FORMATS["fp8"], dst_k.shape[1])
+    if kv_cache.device.type == "cpu":  # raises when out of range, or when dst_k is too short
+        check_gather_offsets(kv_cache, block_table, cu_seq_lens, None, B, dst_k.shape[0], "dst_k")
     INDEX_GATHER(IndexGatherInputs(kv_cache, block_table, cu_seq_lens, FORMATS["fp8"], None, D, dst_k, dst_scale))
 
 

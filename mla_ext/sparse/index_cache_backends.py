@@ -10,8 +10,10 @@ capability: the interpreter is far slower than the compiled CPU kernel).
 
 The public wrappers (index_cache.write_index_cache / gather_index_keys /
 cp_gather_indexer_k_quant_cache) check the arguments (ValueError) and, on the CPU, the slot
-and block-id ranges before dispatching; on CUDA no host check is made (no sync) and the
-kernels skip out-of-range slots and read zeros for out-of-range block ids.
+and block-id ranges and the offsets (cu_seq_lens, seq_starts, the output's rows) before
+dispatching; on CUDA no host check is made (no sync) and the kernels skip out-of-range slots,
+write no row outside cu_seq_lens and read zeros for out-of-range block ids. The compiled CPU
+gather op checks the offsets itself too (it is callable as torch.ops.mla_ext.index_cache_gather).
 """
 from __future__ import annotations
 
@@ -184,3 +186,20 @@ INDEX_GATHER = Dispatcher("index_gather", [
     Backend("cpu", lambda inp: _gather_compiled_reasons(inp, "cpu"), _run_compiled_gather),
     Backend("torch", lambda inp: [], _run_torch_gather),
 ])
+
+
+def backend_report(device=None) -> list[tuple[str, str, list[str]]]:
+    """[(op, backend, reasons)] of the index-cache writer and gather for a probe on `device`
+    (default: CUDA if visible), in the form `python -m mla_ext info` shows."""
+    from mla_ext.dispatch import report_device
+    from mla_ext.sparse.index_cache import FORMATS
+
+    dev = report_device(device)
+    fmt = FORMATS["bfloat16"]
+    cache = torch.empty(1, 16, 128, dtype=torch.bfloat16, device=dev)
+    i32 = torch.zeros(2, dtype=torch.int32, device=dev)
+    write = IndexWriteInputs(cache[0, :1], cache, i32[:1].long(), fmt, None, None)
+    gather = IndexGatherInputs(cache, i32.view(2, 1), i32, fmt, None, 128,
+                               torch.empty(0, 128, dtype=torch.float32, device=dev))
+    return ([(INDEX_WRITE.op, b.name, b.not_supported_reasons(write)) for b in INDEX_WRITE.backends]
+            + [(INDEX_GATHER.op, b.name, b.not_supported_reasons(gather)) for b in INDEX_GATHER.backends])

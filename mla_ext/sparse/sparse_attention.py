@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mla_ext._args import check_no_meta
 from mla_ext.attention import triton_latent as TL
+from mla_ext.cache.checks import check_cache_dtype
 from mla_ext.cache.reference import decode_cache_rows
 from mla_ext.dispatch import Backend, Dispatcher
 from mla_ext.formats import QuantMode, get_format
@@ -174,9 +176,26 @@ def sparse_latent_attention(
     if fmt.quant_mode == QuantMode.FP8_PER_TENSOR:
         _check(isinstance(k_scale, Tensor) and k_scale.numel() == 1,
                f"k_scale: {fmt.name!r} needs a float32 tensor of 1 element")
+    check_cache_dtype(kv_cache, fmt)  # a float8 cache of the other fp8 type would decode wrongly
+    check_no_meta(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, indices=indices,
+                  new_kv_c=new_kv_c, new_k_pe=new_k_pe, k_scale=k_scale)
     for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("block_table", block_table), ("indices", indices),
                     ("new_kv_c", new_kv_c), ("new_k_pe", new_k_pe)):
         _check(t.device == q_lat.device, f"{name}: expected device {q_lat.device} (q_lat's), got {t.device}")
     x = SparseInputs(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, indices, q_lens, ctx_lens, new_kv_c,
                      new_k_pe, k_scale, float(softmax_scale))
     return SPARSE(x)
+
+
+def backend_report(device=None) -> list[tuple[str, str, list[str]]]:
+    """[(op, backend, reasons)] of the sparse latent attention for a probe on `device`
+    (default: CUDA if visible), in the form `python -m mla_ext info` shows."""
+    from mla_ext.dispatch import report_device
+
+    dev = report_device(device)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    q = torch.empty(1, 1, 512, dtype=dt, device=dev)
+    i32 = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    x = SparseInputs(q, q.new_empty(1, 1, 64), q.new_empty(1, 16, 576), "auto", i32, i32, (1,), (0,),
+                     q.new_empty(1, 512), q.new_empty(1, 64), None, 1.0)
+    return [(SPARSE.op, b.name, b.not_supported_reasons(x)) for b in SPARSE.backends]

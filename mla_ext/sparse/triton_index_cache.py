@@ -19,7 +19,7 @@ from torch import Tensor
 
 from mla_ext.attention.triton_latent import _pad, interpreting
 from mla_ext.sparse._triton import device_reasons, tl, triton
-from mla_ext.sparse.index_cache import _geometry, get_index_format
+from mla_ext.sparse.index_cache import _geometry, check_gather_offsets, get_index_format
 
 if triton is not None:
     from mla_ext.triton_fp8 import e4m3_to_f32, launch_guard
@@ -150,6 +150,8 @@ def gather_index_keys_triton(cache: Tensor, block_table: Tensor, cu_seq_lens: Te
     B, D, S = _geometry(cache, fmt, head_dim)
     n = cu_seq_lens.numel() - 1
     dev = cache.device
+    if dev.type == "cpu":  # the interpreter: host checks as the wrapper's (on a GPU the kernel bounds reads)
+        check_gather_offsets(cache, block_table, cu_seq_lens, seq_starts, B, None if out is None else out.shape[0])
     cu = cu_seq_lens.to(device=dev, dtype=torch.int32).contiguous()
     total = int(cu_seq_lens[-1]) if out is None else out.shape[0]
     if out is None:

@@ -43,7 +43,9 @@ cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_star
     chunk's cu_seq_lens, R + 1 entries, with batch_size = R) and the last
     request runs to dst's last row (pass the chunk's rows, workspace[:toks]).
     Extra work: one tiny device tensor, cu_seq_lens = workspace_starts + [dst
-    rows] (a cat, no host sync). The host-cache arguments (vLLM's rows of an
+    rows] (a cat, no host sync). On CPU tensors workspace_starts (negative,
+    decreasing, past dst) and seq_starts (negative) are checked, naming them;
+    on CUDA they are not read (no sync) and the kernel bounds every row. The host-cache arguments (vLLM's rows of an
     offloaded cache) are not supported: anything but None is refused.
 
 cp_gather_and_upconvert_nvfp4_kv_cache(src_cache, dst, block_table, workspace_starts, batch_size)
@@ -69,6 +71,10 @@ merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, 
     vLLM's Triton and torch paths); vLLM's CUDA kernel copies prefix_output
     there instead.
 
+Offsets on CPU tensors (cu_seq_lens, seq_starts, workspace_starts) are read and a
+negative, decreasing or past-dst one is refused naming it; on CUDA they are not read
+(no host sync) and the kernels bound every row.
+
 Where the surface differs from vLLM 0.33 (also in README "Using mla_ext from vLLM"):
   * gather rows whose token lies past the block table's width, or whose block
     id is out of [0, num_blocks), are written as zeros (mla_ext's defined
@@ -87,6 +93,7 @@ from mla_ext import formats
 from mla_ext._fake import _one_device
 from mla_ext.attention import api as attn_api
 from mla_ext.cache import api as cache_api
+from mla_ext.cache import checks as cache_checks
 from mla_ext.cache.checks import check_no_internal_overlap, check_no_overlap
 from mla_ext.formats import DsMla, E4M3_MAX
 
@@ -320,6 +327,17 @@ def _check_output_scale_value(output_scale: Tensor) -> None:
         _check(math.isfinite(v) and v > 0, f"output_scale: expected a finite value > 0, got {v}")
 
 
+def _check_offsets_on_cpu(dst: Tensor, cu_seq_lens: Tensor, num_reqs: int, seq_starts: Tensor | None) -> None:
+    """CPU tensors: cu_seq_lens (negative, decreasing, past dst) and seq_starts (negative) are read
+    and refused naming them (free on the host). On CUDA they are not read (that would sync): the
+    kernels write no row outside dst and give zero rows for tokens outside the table, as vLLM's."""
+    if dst.device.type == "cpu":
+        _check(seq_starts is None or (seq_starts.dim() == 1 and seq_starts.numel() >= num_reqs),
+               f"seq_starts: expected [>= {num_reqs}] (one per request), got "
+               f"{None if seq_starts is None else tuple(seq_starts.shape)}")
+        cache_checks.check_offsets(cu_seq_lens, num_reqs, seq_starts, dst.size(0))
+
+
 # -- the ops -----------------------------------------------------------------
 
 @torch.library.custom_op(f"{NAMESPACE}::concat_and_cache_mla", mutates_args=("kv_cache",))
@@ -342,6 +360,7 @@ def gather_and_maybe_dequant_cache(src_cache: Tensor, dst: Tensor, block_table: 
                                    seq_starts: Optional[Tensor] = None) -> None:
     _check_gather(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens, kv_cache_dtype, scale,
                   seq_starts)
+    _check_offsets_on_cpu(dst, cu_seq_lens, cu_seq_lens.numel() - 1, seq_starts)
     cache_api.gather_and_maybe_dequant_cache(_format_bytes(src_cache, kv_cache_dtype), dst, block_table,
                                              cu_seq_lens, cu_seq_lens.numel() - 1, kv_cache_dtype, scale,
                                              seq_starts)
@@ -358,6 +377,7 @@ def _(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens, kv_cac
 def cp_gather_cache(src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, batch_size: int,
                     seq_starts: Optional[Tensor] = None) -> None:
     _check_cp_gather(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts)
+    _check_offsets_on_cpu(dst, cu_seq_lens, batch_size, seq_starts)
     cache_api.cp_gather_cache(src_cache, _raw_dst(src_cache, dst), block_table, cu_seq_lens, batch_size,
                               seq_starts)
 
@@ -371,9 +391,16 @@ def _upconvert(src_cache, dst, block_table, workspace_starts, batch_size, seq_st
     """The native dequantizing gather of a fixed-layout format into bf16 [tokens, 576].
     Request r owns rows [workspace_starts[r], workspace_starts[r + 1]) and the
     last one runs to dst's end: the native op's cu_seq_lens, built on the device
-    (one tiny cat, no host sync). The format ignores the scale argument."""
+    (one tiny cat, no host sync). The format ignores the scale argument.
+    CPU tensors are read first (free there): workspace_starts negative, decreasing or
+    past dst, and seq_starts negative raise naming them. CUDA tensors are not read
+    (that would sync): the kernel bounds every row (no write past dst, zeros for a
+    token outside the table), as vLLM's."""
     end = workspace_starts.new_full((1,), dst.size(0))
     cu_seq_lens = torch.cat([workspace_starts[:batch_size], end])
+    if dst.device.type == "cpu":
+        cache_checks.check_row_starts(workspace_starts, batch_size, dst.size(0), "workspace_starts")
+    _check_offsets_on_cpu(dst, cu_seq_lens, batch_size, seq_starts)  # seq_starts (the rows are valid now)
     cache_api.gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, kv_cache_dtype,
                                              _unit_scale(src_cache.device), seq_starts)
 
