@@ -37,7 +37,7 @@ from mla_ext.prefill import absorbed_cost as AC
 
 CONTEXT_ENV = "MLA_EXT_VLLM_CONTEXT"
 CONTEXT_MODES = ("vllm", "absorbed", "auto")
-logger = logging.getLogger("mla_ext.vllm")
+logger = logging.getLogger("vllm.mla_ext")  # a child of vLLM's logger: printed by its handler
 
 
 def context_mode() -> str:
