@@ -42,6 +42,8 @@ class MlaExtCpuPlatform(CpuPlatform):
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         chosen = plugin.selected(vllm_config.attention_config)
+        if chosen and vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+            cls._leave_amx_mla(vllm_config.attention_config)
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         before = (sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
         super().check_and_update_config(vllm_config)
@@ -58,6 +60,27 @@ class MlaExtCpuPlatform(CpuPlatform):
             sched.max_num_batched_tokens = before[2]
             plugin.logger.info("mla_ext: vLLM CPU turns %s off for MLA; kept on for the MLA_EXT prefill backend "
                                "(max_num_batched_tokens=%s)", " and ".join(turned_off), before[2])
+
+
+    @classmethod
+    def _leave_amx_mla(cls, attention_config) -> None:
+        """On AMX CPUs vLLM serves MLA with AMX_MLA, whose own forward_mha takes no prefill
+        backend: MLA_EXT would be a silent no-op there. vLLM's CPU_MLA (its choice without AMX)
+        hosts the prefill backend; it is chosen unless the user named another backend."""
+        import torch
+        from vllm.platforms.interface import CpuArchEnum
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        if not (cls.get_cpu_architecture() == CpuArchEnum.X86 and torch.cpu._is_amx_tile_supported()):
+            return
+        if attention_config.backend is None:
+            attention_config.backend = AttentionBackendEnum.CPU_MLA
+            plugin.logger.info("mla_ext: attention backend CPU_MLA for the MLA_EXT prefill backend (vLLM CPU "
+                               "would pick AMX_MLA, whose prefill takes no prefill backend)")
+        elif attention_config.backend != AttentionBackendEnum.CPU_MLA:
+            raise ValueError(f"attention_config.backend: expected CPU_MLA or unset with mla_prefill_backend="
+                             f"{plugin.BACKEND_NAME} on vLLM CPU, got {attention_config.backend.name} (its "
+                             f"prefill takes no prefill backend)")
 
 
 def adopt(platform) -> str:
