@@ -190,37 +190,41 @@ def test_plugin_refuses_a_vllm_release_it_does_not_know():
             plugin.check_vllm(version)
 
 
-_PICKLE_CONFIG = """
+_PICKLE_CONFIGS = """
 import pickle, sys
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.config import AttentionConfig
-config = AttentionConfig(mla_prefill_backend=sys.argv[1])
-open(sys.argv[2], "wb").write(pickle.dumps(config))
+configs = [AttentionConfig(mla_prefill_backend=spelling) for spelling in ("MLA_EXT", "CUSTOM")]
+open(sys.argv[1], "wb").write(pickle.dumps(configs))
 """
 
 # A fresh process unpickles before any plugin is loaded, as vLLM's spawned engine core does.
-_UNPICKLE_CONFIG = """
+_UNPICKLE_CONFIGS = """
 import json, pickle, sys
-config = pickle.loads(open(sys.argv[1], "rb").read())
-before = config.mla_prefill_backend.name
+configs = pickle.loads(open(sys.argv[1], "rb").read())
+before = [c.mla_prefill_backend.name for c in configs]
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-cls = config.mla_prefill_backend.get_class()  # what vLLM's selector resolves the choice to
-print(json.dumps({"before_plugins": before, "selected": f"{cls.__module__}.{cls.__name__}"}))
+# what vLLM's selector resolves the choice to
+selected = [c.mla_prefill_backend.get_class() for c in configs]
+print(json.dumps({"before_plugins": before, "selected": [f"{c.__module__}.{c.__name__}" for c in selected]}))
 """
 
 
-@pytest.mark.parametrize("spelling", ["MLA_EXT", "CUSTOM"])
-def test_the_flag_survives_pickling_into_a_process_without_plugins(vllm_tree, tmp_path, spelling):
-    env = {"VLLM_PLUGINS": "mla_ext", "VLLM_LOGGING_LEVEL": "WARNING"}
-    pickled = tmp_path / "attention_config.pkl"
-    proc = _run(vllm_tree, ["-c", _PICKLE_CONFIG, spelling, str(pickled)], env)
+def test_the_flag_survives_pickling_into_a_process_without_plugins(vllm_tree, tmp_path):
+    """Both spellings (MLA_EXT, CUSTOM); the process that loads the plugin logs one line."""
+    env = {"VLLM_PLUGINS": "mla_ext", "VLLM_LOGGING_LEVEL": "INFO"}
+    pickled = tmp_path / "attention_configs.pkl"
+    proc = _run(vllm_tree, ["-c", _PICKLE_CONFIGS, str(pickled)], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = _run(vllm_tree, ["-c", _UNPICKLE_CONFIG, str(pickled)], env)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "mla_ext: vLLM 0.33.0 plugin loaded" in ln]
+    assert len(lines) == 1 and "MLA prefill backend MLA_EXT (= CUSTOM)" in lines[0], proc.stderr[-3000:]
+    proc = _run(vllm_tree, ["-c", _UNPICKLE_CONFIGS, str(pickled)], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"before_plugins": "CUSTOM", "selected": "mla_ext.vllm.prefill_backend.MlaExtPrefillBackend"}
+    assert got == {"before_plugins": ["CUSTOM", "CUSTOM"],
+                   "selected": ["mla_ext.vllm.prefill_backend.MlaExtPrefillBackend"] * 2}
 
 
 def test_the_plugin_refuses_at_load_in_a_vllm_release_it_does_not_know(vllm_tree):
@@ -230,11 +234,3 @@ def test_the_plugin_refuses_at_load_in_a_vllm_release_it_does_not_know(vllm_tree
     assert proc.returncode != 0
     assert "RuntimeError: mla_ext's vLLM plugin knows the hooks of vLLM 0.32, 0.33; this is vLLM 0.40.0" \
         in proc.stderr, proc.stderr[-3000:]
-
-
-def test_the_plugin_logs_one_line_when_vllm_loads_it(vllm_tree):
-    code = "from vllm.plugins import load_general_plugins\nload_general_plugins()\nload_general_plugins()"
-    proc = _run(vllm_tree, ["-c", code], {"VLLM_PLUGINS": "mla_ext", "VLLM_LOGGING_LEVEL": "INFO"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "mla_ext: vLLM 0.33.0 plugin loaded" in ln]
-    assert len(lines) == 1 and "MLA prefill backend MLA_EXT (= CUSTOM)" in lines[0], proc.stderr[-3000:]

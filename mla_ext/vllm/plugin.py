@@ -101,16 +101,19 @@ def vllm_version() -> str:
     return "unknown"
 
 
+def known_release(version: str) -> bool:
+    parts = version.split("+")[0].split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) in KNOWN_VLLM
+    except (ValueError, IndexError):
+        return False
+
+
 def check_vllm(version: str | None = None) -> None:
     """RuntimeError unless this vLLM's release and hooks are ones the plugin knows."""
     version = version or vllm_version()
-    parts = version.split("+")[0].split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (ValueError, IndexError):
-        major_minor = None
     known = ", ".join(f"{a}.{b}" for a, b in KNOWN_VLLM)
-    if major_minor not in KNOWN_VLLM:
+    if not known_release(version):
         raise RuntimeError(
             f"mla_ext's vLLM plugin knows the hooks of vLLM {known}; this is vLLM {version}, whose MLA "
             f"prefill registry, selector and cache ops it has not been checked against. Install a vLLM "
@@ -266,6 +269,7 @@ def cpu_platform() -> str | None:
     vLLM would pick its CPU platform (it behaves as vLLM's unless MLA_EXT is chosen)."""
     from vllm.platforms import cpu_platform_plugin
 
-    if cpu_platform_plugin() is None:
+    # An unknown release keeps vLLM's own platform (register() then refuses, saying why).
+    if not known_release(vllm_version()) or cpu_platform_plugin() is None:
         return None
     return "mla_ext.vllm.cpu_platform.MlaExtCpuPlatform"
