@@ -11,7 +11,7 @@ request reading the first one's cached blocks, greedy tokens and logprobs
 checked against transformers' model in float64 on the same checkpoint.
 
 * float32, vLLM's default process layout (engine core spawned, the config pickled
-  into it; VLLM_WORKER_MULTIPROC_METHOD=spawn): DeepSeek-V3 layout (q_lora) with
+  into it; VLLM_WORKER_MULTIPROC_METHOD=spawn): DeepSeek-V3 layout (q_lora, yarn) with
   the flag spelled CUSTOM and no plugin loaded first, then DeepSeek-V2 layout
   with ``load_general_plugins()`` and MLA_EXT;
 * bfloat16, one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, fork): DeepSeek-V2.

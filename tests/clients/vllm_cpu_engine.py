@@ -42,8 +42,10 @@ def config(family: str):
                   n_group=1, topk_group=1, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
     if family == "deepseek_v2":  # no q_lora (V2-Lite's layout)
         return transformers.DeepseekV2Config(q_lora_rank=None, **common)
-    if family == "deepseek_v3":  # q_lora (V3's layout)
-        return transformers.DeepseekV3Config(q_lora_rank=96, **common)
+    if family == "deepseek_v3":  # q_lora, and yarn rope whose mscale_all_dim changes the softmax scale (V3's)
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+        return transformers.DeepseekV3Config(q_lora_rank=96, rope_parameters=yarn, **common)
     raise ValueError(f"family: expected deepseek_v2 or deepseek_v3, got {family!r}")
 
 
