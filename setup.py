@@ -168,7 +168,10 @@ setup(
     # (mla_ext/vllm/plugin.py). SGLang loads sglang.srt.plugins likewise; mla_ext's
     # hooks nothing unless MLA_EXT_SGLANG=1 or SGLANG_PLUGINS names it
     # (mla_ext/sglang/plugin.py).
+    # On vLLM CPU the platform plugin makes vLLM's CPU platform honour MLA_EXT (and
+    # is vLLM's CpuPlatform unchanged otherwise: mla_ext/vllm/cpu_platform.py).
     entry_points={"vllm.general_plugins": ["mla_ext = mla_ext.vllm.plugin:register"],
+                  "vllm.platform_plugins": ["mla_ext = mla_ext.vllm.plugin:cpu_platform"],
                   "sglang.srt.plugins": ["mla_ext = mla_ext.sglang.plugin:register"]},
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),

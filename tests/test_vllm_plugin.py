@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +178,59 @@ def test_plugin_is_inert_unless_asked(vllm_tree, opt_in):
     assert got["registered"]
     assert len(got["routed"]) == (6 if opt_in else 0)
     assert got["concat_is_ours"] == got["upconvert_is_ours"] == got["merge_is_ours"] == opt_in
+
+
+# -- 3. spawn-safe selection, and vLLM versions -----------------------------------
+
+def test_plugin_refuses_a_vllm_release_it_does_not_know():
+    from mla_ext.vllm import plugin
+
+    for version in ("0.31.2", "0.34.0", "1.0.0+cpu", "unknown"):
+        with pytest.raises(RuntimeError, match=re.escape(f"knows the hooks of vLLM 0.32, 0.33; this is vLLM {version},")):
+            plugin.check_vllm(version)
+
+
+_PICKLE_CONFIGS = """
+import pickle, sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.config import AttentionConfig
+configs = [AttentionConfig(mla_prefill_backend=spelling) for spelling in ("MLA_EXT", "CUSTOM")]
+open(sys.argv[1], "wb").write(pickle.dumps(configs))
+"""
+
+# A fresh process unpickles before any plugin is loaded, as vLLM's spawned engine core does.
+_UNPICKLE_CONFIGS = """
+import json, pickle, sys
+configs = pickle.loads(open(sys.argv[1], "rb").read())
+before = [c.mla_prefill_backend.name for c in configs]
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+# what vLLM's selector resolves the choice to
+selected = [c.mla_prefill_backend.get_class() for c in configs]
+print(json.dumps({"before_plugins": before, "selected": [f"{c.__module__}.{c.__name__}" for c in selected]}))
+"""
+
+
+def test_the_flag_survives_pickling_into_a_process_without_plugins(vllm_tree, tmp_path):
+    """Both spellings (MLA_EXT, CUSTOM); the process that loads the plugin logs one line."""
+    env = {"VLLM_PLUGINS": "mla_ext", "VLLM_LOGGING_LEVEL": "INFO"}
+    pickled = tmp_path / "attention_configs.pkl"
+    proc = _run(vllm_tree, ["-c", _PICKLE_CONFIGS, str(pickled)], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "mla_ext: vLLM 0.33.0 plugin loaded" in ln]
+    assert len(lines) == 1 and "MLA prefill backend MLA_EXT (= CUSTOM)" in lines[0], proc.stderr[-3000:]
+    proc = _run(vllm_tree, ["-c", _UNPICKLE_CONFIGS, str(pickled)], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"before_plugins": ["CUSTOM", "CUSTOM"],
+                   "selected": ["mla_ext.vllm.prefill_backend.MlaExtPrefillBackend"] * 2}
+
+
+def test_the_plugin_refuses_at_load_in_a_vllm_release_it_does_not_know(vllm_tree):
+    code = ("import vllm._version as v; v.__version__ = '0.40.0'\n"
+            "from vllm.plugins import load_general_plugins\nload_general_plugins()")
+    proc = _run(vllm_tree, ["-c", code], {"VLLM_PLUGINS": "mla_ext"})
+    assert proc.returncode != 0
+    assert "RuntimeError: mla_ext's vLLM plugin knows the hooks of vLLM 0.32, 0.33; this is vLLM 0.40.0" \
+        in proc.stderr, proc.stderr[-3000:]

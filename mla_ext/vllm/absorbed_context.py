@@ -45,7 +45,7 @@ from mla_ext.prefill import absorbed_cost as AC
 
 CONTEXT_ENV = "MLA_EXT_VLLM_CONTEXT"
 CONTEXT_MODES = ("vllm", "absorbed", "auto")
-logger = logging.getLogger("mla_ext.vllm")
+logger = logging.getLogger("vllm.mla_ext")  # a child of vLLM's logger: printed by its handler
 
 
 def context_mode() -> str:
@@ -179,6 +179,9 @@ def install(impl_cls) -> bool:
             logger.info("mla_ext: MLA context attention %s (%s)", path, why)
         self._mla_ext_last_context_path = path
         if path == "absorbed":
+            from mla_ext.vllm.plugin import note_call
+
+            note_call("absorbed_context")
             return compute_prefill_context_absorbed(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
         return original(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
 

@@ -1,7 +1,9 @@
-"""The ``MLA_EXT`` MLA prefill backend for vLLM 0.33 (imported by vLLM only).
+"""The ``MLA_EXT`` MLA prefill backend for vLLM 0.32/0.33 (imported by vLLM only).
 
-vLLM resolves this class from the name registered by mla_ext/vllm/plugin.py
-when ``--attention-config.mla_prefill_backend=MLA_EXT`` is given. vLLM's own
+vLLM resolves this class from its ``CUSTOM`` registry member (``MLA_EXT`` is
+that member's alias), registered by mla_ext/vllm/plugin.py, when
+``--attention-config.mla_prefill_backend=MLA_EXT`` is given (on vLLM CPU
+through mla_ext/vllm/cpu_platform.py). vLLM's own
 MLA code (``MLACommonBaseImpl.forward_mha`` / ``_compute_prefill_context``)
 keeps its structure: it gathers each context chunk, up-projects it through
 kv_b_proj and concatenates the keys, then calls
@@ -29,6 +31,7 @@ is False and fp8 dtypes are not in ``supported_dtypes``.
 """
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 import torch
@@ -37,6 +40,7 @@ from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefil
 from mla_ext.attention.api import varlen_attention
 from mla_ext.vllm import plugin
 
+_announced = False  # one INFO line per process when the first layer builds the backend
 
 
 class MlaExtPrefillBackend(MLAPrefillBackend):
@@ -77,6 +81,14 @@ class MlaExtPrefillBackend(MLAPrefillBackend):
         from mla_ext.vllm import absorbed_context
 
         absorbed_context.install(MLACommonBaseImpl)
+        global _announced
+        if not _announced:
+            _announced = True
+            plugin.logger.info(
+                "mla_ext: MLA prefill backend %s chosen (pid %d): new-token and context-chunk attention on "
+                "mla_ext.attention.varlen_attention; routed to mla_ext: %s; context path: %s "
+                "(MLA_EXT_VLLM_CONTEXT)", plugin.BACKEND_NAME, os.getpid(),
+                ", ".join(plugin.routed()) or "nothing (MLA_EXT_VLLM_OPS=0)", absorbed_context.context_mode())
 
     def supports_out(self) -> bool:
         return True
@@ -96,6 +108,7 @@ class MlaExtPrefillBackend(MLAPrefillBackend):
         if output_scale is not None:
             raise ValueError("output_scale: expected None; the MLA_EXT prefill backend does not write fp8 output "
                              "(supports_quant_output is False)")
+        plugin.note_call("run_prefill_new_tokens")
         md = self._prefill_metadata
         o, lse = self._attend(q, k, v, md.query_start_loc, md.query_start_loc, md.max_query_len,
                               md.max_query_len, causal=True)
@@ -106,6 +119,7 @@ class MlaExtPrefillBackend(MLAPrefillBackend):
 
     def run_prefill_context_chunk(self, chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   out: torch.Tensor | None = None):
+        plugin.note_call("run_prefill_context_chunk")
         o, lse = self._attend(q, k, v, chunk.query_start_loc, chunk.cu_seq_lens, chunk.max_query_len,
                               chunk.max_seq_len, causal=False)
         if out is not None:
