@@ -267,11 +267,13 @@ class MLAPrefill:
         if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
             raise ValueError(f"context_parallel: expected a ContextParallel or None, got "
                              f"{type(context_parallel).__name__}")
-        sparse = _sparse_for(model, sparse, context_parallel)
         self.validate = check_bool(validate, "validate", allow_none=True)
         self.spec: LayerCacheSpec = resolve_layer(cache_config, model, layer=layer, prefix=prefix)
         # This layer's own dims (L, R, P, V, heads, scale), where they differ per layer.
         self.model = model = model.for_layer(self.spec.layer_index)
+        # The layer's own sparse config: a sparse model's layers without an indexer (dots3_note's
+        # sliding layers) are dense; every indexed layer carries the model's SparseConfig.
+        sparse = _sparse_for(model, sparse, context_parallel)
         self.kv_b_proj = kv_b_proj if isinstance(kv_b_proj, KvBProj) else KvBProj(kv_b_proj)
         want_n = model.num_heads * (model.P + model.V)
         if (self.kv_b_proj.N, self.kv_b_proj.K) != (want_n, model.L):
