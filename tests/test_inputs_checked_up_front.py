@@ -54,10 +54,10 @@ def _index_inputs(T, cache, D=32):
 
 
 @pytest.mark.parametrize("case,match", [
-    ("width", r"^index.cache: expected rows of index_head_dim=32 values \(bfloat16\), got width 64"),
-    ("block_size", r"^index.cache: expected block_size 16 \(the latent cache's"),
+    ("width", r"^index.cache: rows of 64 torch.bfloat16 elements, expected 32 \(index_head_dim\)"),
+    ("block_size", r"^index.cache: pages of 8 tokens, but the latent cache's block_size is 16"),
     ("dtype", r"^index.cache: .*expected a 3-D torch.bfloat16 tensor"),
-    ("meta", r"^index.cache: a meta tensor"),
+    ("meta", r"^index.cache: on meta, expected the latent cache's device cpu"),
 ])
 def test_a_sparse_layer_refuses_an_index_cache_that_is_not_its_own(case, match):
     layer = _layer(sparse=SPARSE)
