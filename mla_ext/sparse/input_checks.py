@@ -1,13 +1,13 @@
 """Up-front checks of a sparse layer's indexer inputs (mla_ext.sparse.layer.IndexInputs), called
 by MLAPrefill.forward before the sparse path: what would otherwise fail deep inside the indexer
 or the gathers with a message that names nothing (an index cache of another width or page size,
-a meta tensor, a tensor on another device)."""
+a meta tensor, a tensor on another device); the index cache's geometry is the layer's
+plan check (mla_ext.sparse.layer.check_index_cache)."""
 from __future__ import annotations
 
 from torch import Tensor
 
 from mla_ext._args import check_no_meta
-from mla_ext.sparse.index_cache import check_index_cache
 
 
 def check_index_inputs(cfg, index, kv_cache: Tensor, q: Tensor) -> None:
@@ -29,5 +29,5 @@ def check_index_inputs(cfg, index, kv_cache: Tensor, q: Tensor) -> None:
     for name, t in named.items():
         if t is not None and t.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
-    if index.cache is not None:
-        check_index_cache(index.cache, cfg.index_cache_dtype, cfg.index_head_dim, kv_cache.shape[1], "index.cache")
+    # index.cache's geometry (dtype, page size, width, blocks) is not re-checked here: MLAPrefill.forward
+    # checked it against the latent plan first (mla_ext.sparse.layer.check_index_cache).
