@@ -26,7 +26,7 @@ up-projected rows; latent attention per cache format, on its first setup.
 Report (stdout and DIR/absorbed_crossovers_<device>.txt), per (format, C): the
 measured crossover in new tokens (log-interpolated between the last T where
 absorbed is faster and the first where it is not) beside the cost model's
-prediction (mla_ext/prefill/absorbed_cost.py) with the rates the layer uses now
+prediction (mla_ext/prefill/context_cost.py) with the rates the layer uses now
 (a committed table or the stated defaults) and with the rates just measured.
 
 Output (DIR = --out, default benchmarks/results/): DIR/absorbed_<device>.csv,
@@ -56,13 +56,14 @@ from bench_gather import Timer  # noqa: E402
 from mla_ext import dispatch as D  # noqa: E402
 from mla_ext.attention import triton_latent as TL  # noqa: E402
 from mla_ext.attention.api import varlen_attention  # noqa: E402
-from mla_ext.formats import get_format  # noqa: E402
+from mla_ext.config.formats import get_format  # noqa: E402
 from mla_ext.kv_b_proj import weights as W  # noqa: E402
 from mla_ext.kv_b_proj.linear import KvBProj  # noqa: E402
-from mla_ext.models import MLAModelConfig, get_model_config  # noqa: E402
-from mla_ext.policy import CacheConfig  # noqa: E402
-from mla_ext.prefill import absorbed as A  # noqa: E402
-from mla_ext.prefill import absorbed_cost as AC  # noqa: E402
+from mla_ext.config.models import MLAModelConfig, get_model_config  # noqa: E402
+from mla_ext.config.policy import CacheConfig  # noqa: E402
+from mla_ext.attention import latent as A  # noqa: E402
+from mla_ext.prefill import context_cost as AC  # noqa: E402
+from mla_ext.prefill.context import CONTEXT_ATTENTION_MODES  # noqa: E402
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata  # noqa: E402
 from mla_ext.prefill.synthetic import SyntheticBatch  # noqa: E402
 from mla_ext.prefill.timing import StepClock  # noqa: E402
@@ -286,7 +287,7 @@ def report(rows: list[dict], setups: dict, rates_now: AC.Rates, measured: dict) 
 
 
 def write_table(rows: list[dict], measured: dict, device: str, path: str) -> str:
-    ok = [r for r in rows if r.get("status") == "ok" and r["path"] in A.CONTEXT_ATTENTION_MODES]
+    ok = [r for r in rows if r.get("status") == "ok" and r["path"] in CONTEXT_ATTENTION_MODES]
     if not all(k in measured for k in AC.RATE_KEYS):
         return f"dispatch table: rates incomplete ({sorted(measured)}), {path} not written"
     entries = {}

@@ -46,7 +46,7 @@ from bench_common import RowLog, finish  # noqa: E402
 
 from mla_ext.cache import api  # noqa: E402
 from mla_ext.dispatch import is_triton_backend  # noqa: E402
-from mla_ext.formats import DsMla, Nvfp4DsMla, get_format  # noqa: E402
+from mla_ext.config.formats import DsMla, Nvfp4DsMla, get_format  # noqa: E402
 
 L, R = 512, 64
 E = L + R

@@ -48,8 +48,8 @@ from bench_common import RowLog, finish  # noqa: E402
 from bench_gather import Timer, torch_baseline as torch_gather  # noqa: E402
 
 from mla_ext.kv_b_proj import weights as W  # noqa: E402
-from mla_ext.models import get_model_config, MLAModelConfig  # noqa: E402
-from mla_ext.policy import CacheConfig  # noqa: E402
+from mla_ext.config.models import get_model_config, MLAModelConfig  # noqa: E402
+from mla_ext.config.policy import CacheConfig  # noqa: E402
 from mla_ext.prefill.layer import MLAPrefill  # noqa: E402
 from mla_ext.prefill.synthetic import SyntheticBatch  # noqa: E402
 from mla_ext.prefill.timing import STEPS, StepClock, step_work  # noqa: E402

@@ -38,11 +38,11 @@ from bench_common import RowLog, finish  # noqa: E402
 from bench_gather import Timer  # noqa: E402
 
 from mla_ext.cache import api as cache_api  # noqa: E402
-from mla_ext.policy import CacheConfig  # noqa: E402
-from mla_ext.prefill.absorbed import absorb_queries, absorbed_weights  # noqa: E402
+from mla_ext.config.policy import CacheConfig  # noqa: E402
+from mla_ext.attention.latent import absorb_queries, absorbed_weights  # noqa: E402
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata  # noqa: E402
 from mla_ext.sparse.index_cache import get_index_format, write_index_cache  # noqa: E402
-from mla_ext.sparse.layer import IndexInputs, SparseConfig, indexer_backend  # noqa: E402
+from mla_ext.prefill.sparse import IndexInputs, SparseConfig, indexer_backend  # noqa: E402
 from mla_ext.sparse.sparse_attention import sparse_latent_attention  # noqa: E402
 from mla_ext.sparse.topk import indexer_topk  # noqa: E402
 

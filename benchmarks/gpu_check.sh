@@ -57,7 +57,7 @@
 # capped (head + tail). GPU_CHECK_ONLY=facts,info,... runs only the named steps.
 set -u
 
-# -- configuration (the plan test, tests/test_gpu_check_harness.py, checks these) --
+# -- configuration (the plan test, tests/build/test_gpu_check_harness.py, checks these) --
 DEADLINE="${GPU_CHECK_DEADLINE:-540}"
 KILL_GRACE=5                   # timeout -k: SIGKILL this long after SIGINT (pytest stops in ~1 s)
 PACK_S=3                       # allowance for re-packing and publishing after a step (< 1 s measured)
@@ -67,7 +67,7 @@ FAULTHANDLER_S=45              # pytest dumps every thread's stack after this lo
 # group  cap  (the cuda and memcheck groups run one step per test file). The caps
 # are budgets, not guesses: their sum plus each step's kill grace and packing fits
 # the default deadline, so even when every step runs to its cap, every step runs
-# (tests/test_gpu_check_harness.py checks it). Benchmarks write rows as they go, so
+# (tests/build/test_gpu_check_harness.py checks it). Benchmarks write rows as they go, so
 # a capped one still returns what it measured. bench_absorbed's 20 s (+ its 8 s of
 # kill grace and packing) came out of build 4, memcheck 4, demo 4, kv_b_proj 8,
 # gather 3 and attention 3. bench_sparse's 15 s (+ 8) came out of facts 4, cuda 5,
@@ -80,9 +80,9 @@ CAP_MEMCHECK=42; CAP_MEMCHECK_FILE=42
 CAP_RACECHECK=18
 CAP_DEMO=27; CAP_KVB=32; CAP_PREFILL=20; CAP_ABSORBED=20; CAP_GATHER=12; CAP_ATTENTION=12; CAP_SPARSE=15
 # Test files of the C++/CUDA ops, for memcheck (their Triton cases are deselected).
-MEMCHECK_FILES="test_cache_ops.py test_cache_fp8.py test_attention_merge.py test_kv_b_proj_marlin.py"
+MEMCHECK_FILES="cache/test_cache_ops.py cache/test_cache_fp8.py attention/test_attention_merge.py kv_b_proj/test_kv_b_proj_marlin.py"
 # CUDA test files run first in this order; any other file with a cuda mark follows.
-CUDA_FIRST="test_cache_ops.py test_cache_fp8.py test_attention_merge.py test_kv_b_proj_marlin.py test_prefill_cuda.py"
+CUDA_FIRST="cache/test_cache_ops.py cache/test_cache_fp8.py attention/test_attention_merge.py kv_b_proj/test_kv_b_proj_marlin.py prefill/test_prefill_cuda.py"
 # What OUTDIR receives: producing group | path under the work folder (glob) | name in OUTDIR.
 PUBLISH=(
   "always|summary.md|summary.md"
@@ -376,9 +376,9 @@ export -f facts build
 export py repo work
 
 # One CUDA test file: its cuda-marked tests in their own process, junit XML.
-cuda_file() {  # cuda_file test_x.py
+cuda_file() {  # cuda_file <stage>/test_x.py (relative to tests/)
   "$py" -m pytest -q -p no:cacheprovider -o faulthandler_timeout=$FAULTHANDLER_S -rfE -m cuda \
-    --junitxml="$work/junit/${1%.py}.xml" "tests/$1"
+    --junitxml="$work/junit/$(echo "${1%.py}" | tr / _).xml" "tests/$1"
   local rc=$?
   [ $rc -eq 5 ] && { echo "(no test selected)"; return 0; }
   return $rc
@@ -386,7 +386,7 @@ cuda_file() {  # cuda_file test_x.py
 # One C++/CUDA op test file under compute-sanitizer memcheck: every allocation
 # its own (no caching allocator), a few hypothesis examples, the Triton cases
 # deselected; rc 99 when the sanitizer reports an error.
-memcheck_file() {  # memcheck_file test_x.py
+memcheck_file() {  # memcheck_file <stage>/test_x.py (relative to tests/)
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 HYPOTHESIS_PROFILE=memcheck \
     "$san" --tool memcheck --error-exitcode 99 --report-api-errors no --print-limit 20 \
     "$py" -m pytest -q -p no:cacheprovider -o faulthandler_timeout=$FAULTHANDLER_S -rfE -m cuda \
@@ -402,7 +402,7 @@ JOBS="${GPU_CHECK_JOBS:-$(n=$(( $(nproc 2>/dev/null || echo 4) / 4 )); [ $n -lt 
 
 cuda_test_files() {  # every test file with a cuda mark, CUDA_FIRST first
   local f all
-  all="$(grep -l -E 'mark\.cuda' tests/test_*.py 2>/dev/null | xargs -n1 basename | sort)"
+  all="$(grep -rl -E 'mark\.cuda' --include='test_*.py' tests 2>/dev/null | sed 's|^tests/||' | sort)"
   for f in $CUDA_FIRST; do case " $(echo $all) " in *" $f "*) echo "$f" ;; esac; done
   for f in $all; do case " $CUDA_FIRST " in *" $f "*) ;; *) echo "$f" ;; esac; done
 }

@@ -12,6 +12,8 @@ import struct
 
 import torch
 
+from mla_ext import _fatbin
+
 _LOAD_ERROR: str | None = None
 
 try:  # noqa: SIM105 - the error text is kept for `info`
@@ -67,8 +69,6 @@ def build_info() -> dict:
 
 def _targets(so_path: str) -> list:
     """The SASS binaries and PTX actually present in the shared object (its fatbin)."""
-    from mla_ext import _fatbin
-
     try:
         return _fatbin.entries(so_path)
     except (OSError, ValueError, struct.error, IndexError):
@@ -86,7 +86,6 @@ def cuda_target(device=None):
     info = build_info()
     if not info["loaded"] or not info["cuda"] or not torch.cuda.is_available():
         return None
-    from mla_ext import _fatbin
 
     return _fatbin.runs_on(info["targets"], _device_capability(device))
 

@@ -109,7 +109,7 @@ def _merge_attn_states_fake(output, output_lse, prefix_output, prefix_lse, suffi
 
 # === Stage: sparse (DSA indexer key cache) ===
 # Registered only when the library has the ops: a .so built before them (not yet rebuilt after a
-# merge) still loads, without these ops; tests/test_fake_kernels.py requires them once built.
+# merge) still loads, without these ops; tests/build/test_fake_kernels.py requires them once built.
 if hasattr(torch.ops.mla_ext, "index_cache_write"):
     @torch.library.register_fake("mla_ext::index_cache_write")
     def _index_cache_write_fake(k, cache, slot_mapping, index_cache_dtype, quant_block_size=0, scale_fmt=""):

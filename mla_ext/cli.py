@@ -31,10 +31,11 @@ import torch
 from mla_ext import _ext
 from mla_ext._args import int_flag, one_line_parser
 from mla_ext.dispatch import DISPATCHER_MODULES, all_dispatchers
-from mla_ext.formats import ALL_NAMES
-from mla_ext.models import get_model_config, known_model_names
-from mla_ext.planner import MAX_MEMORY_BYTES, render_plan
-from mla_ext.policy import CacheConfig
+from mla_ext.config.formats import ALL_NAMES
+from mla_ext.config.models import get_model_config, known_model_names
+from mla_ext.config.planner import MAX_MEMORY_BYTES, render_plan
+from mla_ext.config.policy import CacheConfig
+from mla_ext.demo import run_demo
 
 # Every module with a dispatcher (mla_ext.dispatch.DISPATCHER_MODULES), then the indexer's
 # top-k, whose backend is an argument rather than a Dispatcher.
@@ -212,8 +213,6 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from mla_ext.demo import run_demo
-
     return run_demo(args.demo_args)
 
 

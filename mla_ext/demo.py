@@ -38,9 +38,15 @@ from dataclasses import dataclass
 import torch
 
 from mla_ext._args import int_flag, one_line_parser
-from mla_ext.models import MLAModelConfig, get_model_config
-from mla_ext.planner import render_plan
-from mla_ext.policy import CacheConfig
+from mla_ext.config.models import MLAModelConfig, get_model_config
+from mla_ext.config.planner import render_plan
+from mla_ext.config.policy import CacheConfig
+from mla_ext.kv_b_proj import weights as W
+from mla_ext.prefill.reference import mla_prefill_reference
+from mla_ext.prefill.timing import StepClock, step_work
+from mla_ext.prefill.layer import MLAPrefill
+from mla_ext.prefill.synthetic import SyntheticBatch
+from mla_ext.attention.api import ATTENTION
 
 MODEL = "deepseek-v3"
 KV_CACHE_DTYPE = "fp8_ds_mla"
@@ -97,8 +103,6 @@ def weight_kinds(num_layers: int, device: torch.device) -> list[str]:
 
 
 def make_weight(kind: str, w: torch.Tensor, dtype: torch.dtype):
-    from mla_ext.kv_b_proj import weights as W
-
     cls = {"dense": W.DenseWeight, "fp8_block": W.Fp8BlockWeight, "marlin_fp8": W.MarlinFp8Weight,
            "nvfp4": W.Nvfp4Weight}[kind]
     return cls.from_dense(w, dtype)
@@ -133,8 +137,6 @@ def check_layer(batch, layer, cache, out, check_queries: int | None) -> dict:
     With check_queries, only the first check_queries new tokens of each request
     are compared: a new token sees only earlier ones, so their reference is
     exact without the rest."""
-    from mla_ext.prefill.reference import mla_prefill_reference
-
     reqs = [r for r, q in enumerate(batch.q_lens) if q]
     take = [min(batch.q_lens[r], check_queries or batch.q_lens[r]) for r in reqs]
     offs = [0]
@@ -158,8 +160,6 @@ def check_layer(batch, layer, cache, out, check_queries: int | None) -> dict:
 
 
 def run_layer(batch, layer, meta, reps: int, check_queries, progress: Progress) -> dict:
-    from mla_ext.prefill.timing import StepClock, step_work
-
     i = layer.layer_index
     kv_c, k_pe = batch.layer_context(i)
     cache = batch.fill_cache(layer, kv_c, k_pe)
@@ -239,9 +239,6 @@ def build_model(size: Size) -> MLAModelConfig:
 
 
 def run_prefill(size: Size, device: torch.device, seed: int, check_queries, progress_on) -> dict:
-    from mla_ext.prefill.layer import MLAPrefill
-    from mla_ext.prefill.synthetic import SyntheticBatch
-
     model = build_model(size)
     cfg = CacheConfig(KV_CACHE_DTYPE, (0, size.layers - 1), BLOCK_SIZE)
     batch = SyntheticBatch(model, size.ctx_lens, size.q_lens, BLOCK_SIZE, device, seed)
@@ -339,7 +336,6 @@ def _cpu_attention(device: torch.device):
     if device.type != "cpu":
         yield
         return
-    from mla_ext.attention.api import ATTENTION
 
     with ATTENTION.force("torch"):
         yield

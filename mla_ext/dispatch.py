@@ -63,6 +63,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+from mla_ext.compat import triton_interpreter_reasons
+
 TABLE_FORMAT = 1
 TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch_tables")
 TABLES_ENV = "MLA_EXT_DISPATCH_TABLES"
@@ -99,8 +101,6 @@ class Backend:
     def not_supported_reasons(self, inputs: Any) -> list[str]:
         why = list(self.reasons(inputs))
         if is_triton_backend(self.name):
-            from mla_ext.compat import triton_interpreter_reasons
-
             why += triton_interpreter_reasons()  # [] unless interpreting; probed once
         return why
 
@@ -501,10 +501,10 @@ class Dispatcher:
 
 # The modules that build the library's dispatchers (module-level Dispatcher objects).
 # `all_dispatchers()` lists every Dispatcher defined in them, so a new one in any of these
-# modules is listed by construction; tests/test_cli_dispatchers.py fails naming a module of
+# modules is listed by construction; tests/cli/test_cli_dispatchers.py fails naming a module of
 # mla_ext that builds a Dispatcher and is missing here.
 DISPATCHER_MODULES = (
-    "mla_ext.cache.api", "mla_ext.kv_b_proj.linear", "mla_ext.attention.api", "mla_ext.prefill.absorbed",
+    "mla_ext.cache.api", "mla_ext.kv_b_proj.linear", "mla_ext.attention.api", "mla_ext.attention.latent",
     "mla_ext.sparse.index_cache_backends", "mla_ext.sparse.sparse_attention",
 )
 

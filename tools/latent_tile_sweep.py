@@ -3,7 +3,7 @@
 Compiles `_latent_attn_kernel` ahead of time (Triton's own PTX, then its ptxas -v) for every
 tile `gpu_config` can pick, every 16-bit decoder and fp32, and every head block, on sm_86 and
 sm_90a, and prints one line each plus the worst case per tile. This is how the tiles in
-mla_ext/attention/triton_latent.py were chosen (issue 19); tests/test_ptxas_budget.py checks
+mla_ext/attention/triton_latent.py were chosen (issue 19); tests/build/test_ptxas_budget.py checks
 the launches the wrappers make, this sweeps the space around them.
 
     .venv/bin/python tools/latent_tile_sweep.py                      # the installed Triton

@@ -2,7 +2,7 @@
 //
 // Everything a kernel needs to know about a cache row lives here: the format
 // ids, their string names and aliases, bytes per token, quantisation mode and
-// the fp8_ds_mla / nvfp4_ds_mla byte offsets. mla_ext/formats.py mirrors this
+// the fp8_ds_mla / nvfp4_ds_mla byte offsets. mla_ext/config/formats.py mirrors this
 // header and tests/test_formats.py proves the two agree for every format and
 // several (L, R) through the `mla_ext::format_info` op.
 //

@@ -156,7 +156,7 @@ def _launch_config(dqk_pad: int, dv_pad: int, dtype: torch.dtype) -> tuple[int, 
     Interpreter cost is per program, so it gets big tiles. On a GPU the tiles
     must fit shared memory on sm_86 (99 KB per block) as well as sm_90, and
     should not spill. Measured by compiling ahead of time (triton 3.8, ptxas
-    -v for sm_90a and sm_86; tests/test_attention_varlen.py checks the shared
+    -v for sm_90a and sm_86; tests/attention/test_attention_varlen.py checks the shared
     memory): 16-bit 64x64 tiles with QK 128+64 / V 128 need 40-48 KB and
     spill ~1 KB per thread on 4 warps, nothing on 8 warps (QK 256 / V 128:
     64 KB, no spills on 8 warps); V 256 takes 64x32 tiles (40-53 KB). fp32:

@@ -2,8 +2,8 @@
 
 Multi-query attention in which every head shares one key/value row per
 context token, the cached latent itself: q = [q_lat | q_pe] (Dqk = L + R),
-k = [kv_c | k_pe], v = kv_c (Dv = L). See mla_ext/prefill/absorbed.py for
-the algebra and mla_ext/prefill/absorbed_reference.py for the reference.
+k = [kv_c | k_pe], v = kv_c (Dv = L). See mla_ext/attention/latent.py for
+the algebra and mla_ext/attention/latent_reference.py for the reference.
 
 One program takes BLOCK_M (query, head) rows of one request: BLOCK_M // BLOCK_H
 query tokens x BLOCK_H heads (N rounded up to a power of two; head blocks when N
@@ -45,7 +45,7 @@ import os
 
 import torch
 
-from mla_ext.formats import DsMla, Nvfp4DsMla, QuantMode, get_format
+from mla_ext.config.formats import DsMla, Nvfp4DsMla, QuantMode, get_format
 
 try:
     import triton
@@ -243,8 +243,8 @@ def _pad(d: int) -> int:
 
 # Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages). Interpreter: it pays per
 # program, so few big ones. GPU: measured by compiling ahead of time for L = 512,
-# R = 64 with ptxas -v, Triton 3.8 and 3.6 alike (tests/test_ptxas_budget.py compiles
-# every config the launcher picks and fails on any spill; tests/test_prefill_absorbed.py
+# R = 64 with ptxas -v, Triton 3.8 and 3.6 alike (tests/build/test_ptxas_budget.py compiles
+# every config the launcher picks and fails on any spill; tests/prefill/test_prefill_absorbed.py
 # checks the shared memory and the instructions). The latent is decoded in 128-column
 # slices, so a tile's live state is the accumulator [BLOCK_M, 512] fp32 plus one slice:
 #
@@ -387,7 +387,7 @@ def latent_attention_triton(
     splits: int | None = None,
 ) -> None:
     """Fills out (latent output) and lse; arguments are checked by the caller
-    (mla_ext.prefill.absorbed). Rows of requests without context get o = 0, lse = -inf.
+    (mla_ext.attention.latent). Rows of requests without context get o = 0, lse = -inf.
     `splits` overrides the split-KV count (tests); the launch otherwise picks it."""
     N, T, L = q_lat.shape
     R = q_pe.shape[-1]

@@ -61,7 +61,7 @@ from mla_ext._args import as_device
 from mla_ext import _ext
 from mla_ext.cache import checks
 from mla_ext.dispatch import Backend, Dispatcher
-from mla_ext.formats import QuantMode, get_format
+from mla_ext.config.formats import QuantMode, get_format
 
 
 @dataclass(frozen=True)

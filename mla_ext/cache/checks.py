@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mla_ext.formats import QuantMode, get_format, CacheFormat
+from mla_ext.config.formats import QuantMode, get_format, CacheFormat
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DEQUANT_DST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla_ext.formats import DsMla, E4M3_MAX, E5M2_MAX, Nvfp4DsMla, QuantMode, get_format
+from mla_ext.config.formats import DsMla, E4M3_MAX, E5M2_MAX, Nvfp4DsMla, QuantMode, get_format
 
 # compute_kv_scale never returns less than this, so a layer of all-zero data
 # still gets a finite, positive (usable) scale. Well below any real amax/448.

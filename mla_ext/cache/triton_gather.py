@@ -54,7 +54,7 @@ import os
 import torch
 from torch import Tensor
 
-from mla_ext.formats import DsMla, Nvfp4DsMla, QuantMode, get_format
+from mla_ext.config.formats import DsMla, Nvfp4DsMla, QuantMode, get_format
 
 try:
     import triton
@@ -231,7 +231,7 @@ if triton is not None:
         return v
 
     # ptxas (Triton 3.8, the launch configs of _paged_tiles): 52-111 registers on
-    # sm_86 and sm_90a, no spills (tests/test_cache_paged_gather.py checks it).
+    # sm_86 and sm_90a, no spills (tests/cache/test_cache_paged_gather.py checks it).
     # register budget: 128
     @triton.jit(do_not_specialize=["num_reqs", "max_blocks", "dst_rows", "search_steps", "bt_s0"])  # batch-varying: no re-compile
     def _gather_paged_kernel(
@@ -447,7 +447,7 @@ def gather_triton(
     public op); any value is memory-safe. `block_rows` overrides the tile height;
     `kernel` is "paged" or "rowwise" (module docstring). The dispatcher's default
     backend, "triton_paged", passes kernel="paged"; this function's own default
-    stays "rowwise" for direct callers (tests/test_hardening_kernels.py patches
+    stays "rowwise" for direct callers (tests/errors/test_raw_op_bounds.py patches
     `_gather_kernel` to watch its launches) until the GPU measurement retires it.
     """
     why = triton_not_supported_reasons(src_cache, dst, kv_cache_dtype, kernel)

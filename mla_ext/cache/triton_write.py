@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mla_ext.formats import DsMla, Nvfp4DsMla, QuantMode, get_format
+from mla_ext.config.formats import DsMla, Nvfp4DsMla, QuantMode, get_format
 from mla_ext.triton_fp8 import e4m3_to_f32, launch_guard
+from mla_ext.cache.reference import fp8_max
 
 # Input kinds (how a row is loaded): fp32 values, bf16 or fp16 bits, raw words (native copy).
 IN_F32, IN_BF16, IN_F16, IN_RAW = 0, 1, 2, 3
@@ -299,7 +300,6 @@ def kv_scale_triton(kv_c: Tensor, k_pe: Tensor, kv_cache_dtype: str) -> Tensor:
     out = torch.ones(1, dtype=torch.float32, device=kv_c.device)
     if fmt.quant_mode != QuantMode.FP8_PER_TENSOR:
         return out  # the ds formats keep their scales in the rows
-    from mla_ext.cache.reference import fp8_max
 
     T, L = kv_c.shape
     R = k_pe.shape[1]

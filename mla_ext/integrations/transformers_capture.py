@@ -1,5 +1,5 @@
 """Running a transformers MLA attention module's own forward and reading what it
-hands its attention function, for any of the MLA families (mla_ext.families).
+hands its attention function, for any of the MLA families (mla_ext.config.families).
 
 Every family's forward ends the same way: the latents go through
 `past_key_values.update(kv_c_normed, k_pe, layer_idx)` (what a cache stores), then

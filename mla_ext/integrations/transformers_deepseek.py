@@ -1,13 +1,13 @@
 """mla_ext behind Hugging Face transformers' MLA attention modules: every MLA
-family transformers 5.23 ships (mla_ext.families: deepseek_v2, deepseek_v3,
+family transformers 5.23 ships (mla_ext.config.families: deepseek_v2, deepseek_v3,
 deepseek_v32, axk1, axk2, bailing_hybrid, dots3_note, glm4_moe_lite, glm5_next,
 glm_moe_dsa, hy_v4, kimi_linear, longcat_flash, minicpm3, mistral4,
 mistral_large4, youtu).
 
 The family is read from the module's config (`model_type`) and checked against
 the module's class; what differs between families is either in the config
-(dims, per-layer dims, no-rope and KV-sharing layers: mla_ext.models), in the
-small table mla_ext.families (yarn in the scale or not, sinks, sparse, sliding
+(dims, per-layer dims, no-rope and KV-sharing layers: mla_ext.config.models), in the
+small table mla_ext.config.families (yarn in the scale or not, sinks, sparse, sliding
 windows), or computed by the module's own code: q, kv_c_normed and k_pe are what
 the module's forward hands its cache and its attention function
 (transformers_capture.py), so LoRA or not, latent rescales, k_pe norms, rope
@@ -77,19 +77,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from mla_ext.families import FAMILIES, Family, family_of
+from mla_ext.config.families import FAMILIES, Family, family_of
 from mla_ext.integrations.transformers_capture import run_module
 from mla_ext.integrations.transformers_random import randomize_
 from mla_ext.kv_b_proj.from_module import weight_format_from_module
 from mla_ext.kv_b_proj.shard import shard_for
 from mla_ext.kv_b_proj.weights import WeightFormat
-from mla_ext.models import MLAModelConfig, config_from_dict
-from mla_ext.policy import CacheConfig
+from mla_ext.config.models import MLAModelConfig, config_from_dict
+from mla_ext.config.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.synthetic import SyntheticBatch
-from mla_ext.sparse import from_transformers as sparse_tx
+from mla_ext.integrations import transformers_indexer as sparse_tx
 from mla_ext.sparse.index_cache import IndexCacheSpec, get_index_format, write_index_cache
-from mla_ext.sparse.layer import IndexInputs, SparseConfig
+from mla_ext.prefill.sparse import IndexInputs, SparseConfig
 
 # Attention class -> (its transformers module, its rotary embedding class or None).
 SUPPORTED = {
@@ -126,7 +126,7 @@ def _import(module_path: str):
 
 
 def family_of_module(module) -> Family:
-    """The module's MLA family (mla_ext.families), from its config's model_type,
+    """The module's MLA family (mla_ext.config.families), from its config's model_type,
     checked against its class; a ValueError naming what it is otherwise."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected a transformers MLA attention module (one of "
@@ -168,7 +168,7 @@ def _check_module(module) -> str:
                          f"heads but its config {n}")
     # A no-rope layer (mistral_large4's `no_rope_layers`) moves its rope width into
     # the nope part: its module's R/P differ from the config's by design (the
-    # per-layer dims in mla_ext.models follow the same rule).
+    # per-layer dims in mla_ext.config.models follow the same rule).
     per_layer_rope = getattr(getattr(module, "config", None), "no_rope_layers", None) is not None
     for attr in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
         if per_layer_rope and attr in ("qk_rope_head_dim", "qk_nope_head_dim"):
@@ -211,7 +211,7 @@ def module_dtype(module) -> torch.dtype:
 
 def model_config_from_module(module, name: str | None = None) -> MLAModelConfig:
     """The module's MLA dims and softmax scale from its config
-    (`mla_ext.models.config_from_dict(config.to_dict())`), in the dtype its
+    (`mla_ext.config.models.config_from_dict(config.to_dict())`), in the dtype its
     weights really have (a model cast after loading no longer has its config's dtype)."""
     kind = _check_module(module)
     cfg = module.config
@@ -406,7 +406,7 @@ def _with_context(latents: tuple[Tensor, Tensor], context: tuple[Tensor, Tensor]
 
 
 class TransformersMLA:
-    """One transformers MLA attention layer (any family in mla_ext.families) served
+    """One transformers MLA attention layer (any family in mla_ext.config.families) served
     by mla_ext's prefill.
 
     `prefill` is the layer's MLAPrefill (`prefill.explain()` prints its plan);
@@ -414,7 +414,7 @@ class TransformersMLA:
     the module's own code; calling the object runs prefill-with-context for new
     tokens whose context is already in the paged cache, returning [T, N, V] (the
     input of the module's output gate / o_proj). `family` is the module's
-    mla_ext.families entry; `kv_source` the layer whose cache this one reads (KV
+    mla_ext.config.families entry; `kv_source` the layer whose cache this one reads (KV
     sharing) or None; `max_keys` the most keys a query may see here (a sliding
     layer's window, the index_topk of a sparse layer mla_ext cannot run sparse) or
     None: past it the layer refuses rather than compute dense attention.
@@ -604,7 +604,7 @@ class TransformersMLA:
 
 def _sparse_config(module, index_cache_dtype: str | None) -> SparseConfig | None:
     """The SparseConfig of a DSA module mla_ext runs sparse (its class has an indexer mla_ext
-    computes: mla_ext.sparse.from_transformers.INDEXER_ROPE_INTERLEAVED), in `index_cache_dtype`
+    computes: mla_ext.integrations.transformers_indexer.INDEXER_ROPE_INTERLEAVED), in `index_cache_dtype`
     (default bfloat16; checked); None for any other module, which keeps no index cache (so one call
     with index_cache_dtype= serves every family: the format applies where there is an indexer)."""
     if type(module).__name__ not in sparse_tx.INDEXER_ROPE_INTERLEAVED:

@@ -1,6 +1,6 @@
 """Tiny random-weight attention layers of every transformers MLA family, built
 locally from transformers' own config and attention classes (no hub): the test
-client of the integration (tests/test_integration_families.py) and a quick way to
+client of the integration (tests/integrations/test_integration_families.py) and a quick way to
 try a family.
 
 `random_family_attention("hy_v4", layer_idx=1)` builds the family's config with
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from mla_ext.families import FAMILIES
+from mla_ext.config.families import FAMILIES
 
 _COMMON = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=64,
                qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=48,

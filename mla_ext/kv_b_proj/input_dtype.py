@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_ext.policy import check_bool
+from mla_ext.config.policy import check_bool
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPES = tuple(

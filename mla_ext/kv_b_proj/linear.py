@@ -52,6 +52,9 @@ from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
 from mla_ext.dispatch import Backend, Dispatcher, pow2_buckets
 from mla_ext.kv_b_proj import weights as W
 from mla_ext.kv_b_proj.input_dtype import FP8_DTYPES
+from mla_ext.kv_b_proj import marlin
+from mla_ext.kv_b_proj.marlin import marlin_fp8_gemm
+from mla_ext.kv_b_proj.from_module import weight_format_from_module
 
 if TYPE_CHECKING:
     from mla_ext.kv_b_proj.scaled_mm_block import BlockScaledWeight
@@ -142,10 +145,6 @@ def _x_unit_stride(inp: KvBProjInputs) -> list[str]:
 # -- marlin_w8a16 ------------------------------------------------------------
 
 def _marlin_module():
-    try:
-        from mla_ext.kv_b_proj import marlin
-    except ImportError as exc:
-        return None, f"mla_ext.kv_b_proj.marlin is not available ({exc})"
     return marlin, ""
 
 
@@ -169,8 +168,6 @@ def _marlin_v1_reasons(inp: KvBProjInputs) -> list[str]:
 
 
 def _marlin_run(inp: KvBProjInputs, version: int = 2) -> torch.Tensor:
-    from mla_ext.kv_b_proj.marlin import marlin_fp8_gemm
-
     y = marlin_fp8_gemm(inp.x, inp.layer.weight_format.packed, out_dtype=inp.layer.params_dtype, version=version)
     return _into(y, inp)
 
@@ -454,8 +451,6 @@ class KvBProj:
         """`weight_format`: a WeightFormat, or an nn.Linear / checkpoint-style module,
         converted by `from_module.weight_format_from_module`."""
         if not isinstance(weight_format, W.WeightFormat):
-            from mla_ext.kv_b_proj.from_module import weight_format_from_module
-
             weight_format = weight_format_from_module(weight_format, arg="weight_format")
         self.weight_format = weight_format
         self.params_dtype = weight_format.params_dtype

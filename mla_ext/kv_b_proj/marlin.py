@@ -6,7 +6,7 @@ mla_ext's native packed layout IS vLLM's Marlin fp8 layout (what vLLM's
 `MarlinFp8Weight.from_vllm`) wraps a vLLM layer's tensors as they are, with no
 conversion copy, and `marlin_fp8_repack` produces the same bytes from an fp8
 checkpoint weight. csrc/kv_b_proj/marlin_fp8.h is the definition the kernels
-use; the block below is the same text (tests/test_kv_b_proj_marlin.py keeps the
+use; the block below is the same text (tests/kv_b_proj/test_kv_b_proj_marlin.py keeps the
 two equal and checks the repack against it and against `word_location` /
 `scale_position` here):
 
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_ext import _ext
-from mla_ext.kv_b_proj.weights import check_row_cut
+from mla_ext.kv_b_proj.rows import check_row_cut
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -20,31 +20,8 @@ Each shard owns copies of its tensors, so the full weight can be freed.
 """
 from __future__ import annotations
 
+from mla_ext.kv_b_proj.rows import _check_int, shard_rows  # noqa: F401  (shard_rows re-exported)
 from mla_ext.kv_b_proj.weights import WeightFormat
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return value
-
-
-def shard_rows(num_heads: int, head_rows: int, tp_size: int, rank: int) -> tuple[int, int]:
-    """Output rows [start, stop) of the full kv_b_proj that `rank` holds.
-
-    num_heads: the FULL model's attention heads (num_attention_heads);
-    head_rows: P + V (qk_nope_head_dim + v_head_dim)."""
-    _check_int("num_heads", num_heads, 1)
-    _check_int("head_rows", head_rows, 1)
-    _check_int("tp_size", tp_size, 1)
-    _check_int("rank", rank, 0)
-    if num_heads % tp_size:
-        raise ValueError(f"tp_size: expected a divisor of num_heads={num_heads} (heads are split evenly "
-                         f"across ranks), got {tp_size}")
-    if rank >= tp_size:
-        raise ValueError(f"rank: expected 0 <= rank < tp_size={tp_size}, got {rank}")
-    per_rank = num_heads // tp_size
-    return rank * per_rank * head_rows, (rank + 1) * per_rank * head_rows
 
 
 def shard_weight(fmt: WeightFormat, num_heads: int, head_rows: int, tp_size: int, rank: int) -> WeightFormat:
@@ -55,19 +32,7 @@ def shard_weight(fmt: WeightFormat, num_heads: int, head_rows: int, tp_size: int
     if not isinstance(fmt, WeightFormat):
         raise ValueError(f"fmt: expected a kv_b_proj WeightFormat (DenseWeight, Fp8Weight, ...), got "
                          f"{type(fmt).__name__}; convert a module first with weight_format_from_module")
-    start, stop = shard_rows(num_heads, head_rows, tp_size, rank)
-    if fmt.N != num_heads * head_rows:
-        raise ValueError(f"fmt: expected the full kv_b_proj, N = num_heads * head_rows = {num_heads} * {head_rows} "
-                         f"= {num_heads * head_rows} rows, got N={fmt.N} ({fmt.describe()})")
-    if tp_size == 1:
-        return fmt
-    try:
-        return fmt.slice_rows(start, stop)
-    except ValueError as exc:
-        per_rank = num_heads // tp_size
-        raise ValueError(
-            f"cannot shard {fmt.describe()} for tp_size={tp_size}, rank={rank} (heads "
-            f"[{rank * per_rank}, {(rank + 1) * per_rank}) of {num_heads}, rows [{start}, {stop})): {exc}") from exc
+    return fmt.shard(num_heads, head_rows, tp_size, rank)
 
 
 def shard_for(fmt: WeightFormat, model_config, tp_size: int | None = None,

@@ -15,7 +15,7 @@ Two kernels (`version`):
   multiplied by its block scale times 2^14: e2m1 x e4m3 has at most 5
   significant bits, so the product, and its cast to the activation dtype,
   are exact. Configurations keep registers under 128 on sm_86 and sm_90 with
-  no spills (tests/test_kv_b_proj_triton_aot.py reports them).
+  no spills (tests/kv_b_proj/test_kv_b_proj_triton_aot.py reports them).
 - 1 (`_w4a16_v1_kernel`, the first kernel, kept selectable until a GPU has
   measured both): a [BLOCK_K, BLOCK_N] tile of single-byte loads (each byte
   read twice, once per nibble), arithmetic decode; 148-202 registers.
@@ -150,7 +150,7 @@ def _config_v1(m: int) -> dict:
     """Launch config of the version-1 kernel. Its M > 16 tiles take 32-wide K steps since
     issue 19: the earlier 64x64x128 (4 warps) and 128x128x64 (8 warps) spilled 0.4-1.6 KB
     per thread under Triton 3.6 (the lent GPU's); 64x64x32 and 128x128x32 spill nothing
-    under 3.6 or 3.8 on sm_86 / sm_90 (tests/test_ptxas_budget.py)."""
+    under 3.6 or 3.8 on sm_86 / sm_90 (tests/build/test_ptxas_budget.py)."""
     if _interpreting():
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=1, DOT_FP32=True)
     if m <= 16:

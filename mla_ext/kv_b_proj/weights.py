@@ -24,6 +24,9 @@ import dataclasses
 import torch
 
 from mla_ext.kv_b_proj import reference as ref
+from mla_ext.kv_b_proj.marlin import (marlin_fp8_dequantize, marlin_fp8_from_vllm, marlin_fp8_repack,
+                                      marlin_fp8_slice_rows)
+from mla_ext.kv_b_proj.rows import check_row_cut, shard_rows
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
@@ -44,19 +47,6 @@ def _rows(t: torch.Tensor, start: int, stop: int, dim: int = 0) -> torch.Tensor:
     """An owned, contiguous copy of t[start:stop] along `dim` (a shard must not
     keep the full weight's storage alive)."""
     return t.narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format)
-
-
-def check_row_cut(start: int, stop: int, n: int, unit: int, what: str, advice: str = "") -> None:
-    """ValueError unless rows [start, stop) of an n-row weight start and end on
-    a multiple of `unit` rows (or at n): `what` names the unit, e.g. "128-row
-    quantization block"."""
-    for edge in (start, stop):
-        if edge % unit and edge != n:
-            i = edge // unit
-            raise ValueError(f"rows [{start}, {stop}) split the {what} {i} "
-                             f"(rows [{i * unit}, {min(i * unit + unit, n)})) "
-                             f"at row {edge}; slices must start and end on a multiple of {unit} rows (or at N={n})"
-                             + (f": {advice}" if advice else ""))
 
 
 def _check_finite_positive(name: str, t: torch.Tensor) -> None:
@@ -145,10 +135,22 @@ class WeightFormat:
         raise TypeError(f"{type(self).__name__} does not define _slice_rows")
 
     def shard(self, num_heads: int, head_rows: int, tp_size: int, rank: int) -> "WeightFormat":
-        """This rank's heads of the full kv_b_proj (see `shard.shard_weight`)."""
-        from mla_ext.kv_b_proj.shard import shard_weight
-
-        return shard_weight(self, num_heads, head_rows, tp_size, rank)
+        """This rank's heads of the full kv_b_proj: heads [rank·n, (rank+1)·n), n = num_heads / tp_size
+        (mla_ext/kv_b_proj/shard.py says how each format is cut). `self` is the full weight,
+        N = num_heads · head_rows; returns a format of the same kind (`self` at tp_size 1)."""
+        start, stop = shard_rows(num_heads, head_rows, tp_size, rank)
+        if self.N != num_heads * head_rows:
+            raise ValueError(f"fmt: expected the full kv_b_proj, N = num_heads * head_rows = {num_heads} * {head_rows} "
+                             f"= {num_heads * head_rows} rows, got N={self.N} ({self.describe()})")
+        if tp_size == 1:
+            return self
+        try:
+            return self.slice_rows(start, stop)
+        except ValueError as exc:
+            per_rank = num_heads // tp_size
+            raise ValueError(
+                f"cannot shard {self.describe()} for tp_size={tp_size}, rank={rank} (heads "
+                f"[{rank * per_rank}, {(rank + 1) * per_rank}) of {num_heads}, rows [{start}, {stop})): {exc}") from exc
 
 
 class DenseWeight(WeightFormat):
@@ -419,8 +421,6 @@ class MarlinFp8Weight(WeightFormat):
     def from_checkpoint(cls, weight: torch.Tensor, weight_scale: torch.Tensor,
                         params_dtype: torch.dtype, block_size=None) -> "MarlinFp8Weight":
         """fp8 [N, K] with a per-tensor [1], per-channel [N] or block [ceil(N/128), ceil(K/128)] scale."""
-        from mla_ext.kv_b_proj.marlin import marlin_fp8_repack
-
         _require(params_dtype in ACT_DTYPES, f"params_dtype must be bf16 or fp16 for Marlin, got {params_dtype}")
         _require(weight.dtype == torch.float8_e4m3fn, f"weight dtype must be torch.float8_e4m3fn, got {weight.dtype}")
         _check_e4m3_weight("weight", weight)
@@ -443,8 +443,6 @@ class MarlinFp8Weight(WeightFormat):
         [G, size_n]; size_n / size_k: `output_size_per_partition` /
         `input_size_per_partition`; group_size: -1, or `weight_block_size[1]`
         (128) for block fp8; params_dtype: the layer's `orig_dtype`."""
-        from mla_ext.kv_b_proj.marlin import marlin_fp8_from_vllm
-
         _require(params_dtype in ACT_DTYPES,
                  f"params_dtype: expected torch.bfloat16 or torch.float16 for Marlin, got {params_dtype}")
         return cls(marlin_fp8_from_vllm(qweight, scales, size_n, size_k, group_size, params_dtype), params_dtype)
@@ -480,13 +478,9 @@ class MarlinFp8Weight(WeightFormat):
         return cls.from_fp8(Fp8Weight.from_dense(w, per_channel=True, params_dtype=dt))
 
     def dequantize_fp32(self) -> torch.Tensor:
-        from mla_ext.kv_b_proj.marlin import marlin_fp8_dequantize
-
         return marlin_fp8_dequantize(self.packed).float()
 
     def _slice_rows(self, start: int, stop: int) -> "MarlinFp8Weight":
-        from mla_ext.kv_b_proj.marlin import marlin_fp8_slice_rows
-
         return MarlinFp8Weight(marlin_fp8_slice_rows(self.packed, start, stop), self.params_dtype)
 
 

@@ -1,7 +1,7 @@
 """`MLAPrefill`: one MLA layer's prefill-with-context (SPEC §1), routed per layer.
 
 Everything that depends on what the layer *is* is resolved once, in
-`__init__`, from the layer's own spec (mla_ext.policy.LayerCacheSpec) and its
+`__init__`, from the layer's own spec (mla_ext.config.policy.LayerCacheSpec) and its
 kv_b_proj weights, never from a global cache dtype:
 
   * the cache format (a skipped layer resolves to `auto`: native, no scales),
@@ -14,11 +14,11 @@ kv_b_proj weights, never from a global cache dtype:
 in chunks (gather -> up-project -> non-causal attention with LSE -> merge),
 and the final merge. `explain()` prints the resolved plan.
 
-Context attention per chunk (`context_attention=`, mla_ext/prefill/absorbed.py):
+Context attention per chunk (`context_attention=`, mla_ext/attention/latent.py):
 "up_project" is the path above; "absorbed" attends the chunk in latent space
 straight from the paged cache (queries absorbed through W_UK, the latent output
 un-absorbed through W_UV; no up-projection of the context); "auto" (default)
-picks the cheaper one per chunk by a cost model (mla_ext/prefill/absorbed_cost.py).
+picks the cheaper one per chunk by a cost model (mla_ext/prefill/context_cost.py).
 Both give the same answer within SPEC §9.
 
 Checks (`forward`):
@@ -39,7 +39,6 @@ Checks (`forward`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -50,187 +49,27 @@ from mla_ext.attention.sinks import check_sinks
 from mla_ext.attention.scratch import AttentionScratch
 from mla_ext.cache import api as cache_api
 from mla_ext.cache import checks as cache_checks
-from mla_ext.cache.context_parallel import cp_gather_context, cp_local_lens
-from mla_ext.formats import QuantMode, ScaleKind
+from mla_ext.prefill.context_parallel import cp_gather_context, cp_local_lens
+from mla_ext.config.formats import QuantMode, ScaleKind
 from mla_ext.kv_b_proj.input_dtype import kv_b_proj_input_dtype
 from mla_ext.kv_b_proj.linear import KvBProj, activation_quantization
 from mla_ext.kv_b_proj.weights import WeightFormat
-from mla_ext.models import MLAModelConfig
-from mla_ext.policy import CacheConfig, LayerCacheSpec, check_bool, check_configs, resolve_layer
+from mla_ext.config.models import MLAModelConfig
+from mla_ext.config.policy import CacheConfig, LayerCacheSpec, check_bool, check_configs, resolve_layer
 from mla_ext.prefill.chunking import (
-    ChunkPlan,
-    host_to_device,
-    lengths,
     plan_context_chunks,
     workspace_alignment,
     workspace_rows,
 )
-from mla_ext.prefill.absorbed import ContextAttention
+from mla_ext.prefill.context import ContextAttention
+from mla_ext.prefill.metadata import ContextParallel, PrefillMetadata  # noqa: F401  (PrefillMetadata re-exported)
+from mla_ext.prefill.sparse import check_index_cache, check_index_inputs, sparse_for, sparse_forward
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _no_clock(step: str) -> None:
     """forward's step marks when no profiling clock is given."""
-
-
-@dataclass(frozen=True)
-class ContextParallel:
-    """Context parallelism over a torch.distributed group (SPEC §6).
-
-    Each rank's paged cache holds the context tokens with
-    `(pos // interleave) % cp_size == rank`, in local order, and
-    `PrefillMetadata.block_table` is that rank's LOCAL block table. Context
-    lengths in the metadata stay global. Every rank gathers its local rows of
-    a chunk, the rows are all-gathered and reordered, and every rank then
-    computes the same attention for the (replicated) queries.
-    """
-
-    group: object
-    cp_size: int
-    rank: int
-    interleave: int = 1
-
-    def __post_init__(self):
-        for name in ("cp_size", "interleave"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.cp_size:
-            raise ValueError(f"rank: expected an int in [0, {self.cp_size}), got {self.rank!r}")
-
-
-class PrefillMetadata:
-    """Per-batch inputs shared by every layer of a forward pass.
-
-    block_table [num_reqs, max_blocks] int32 (block ids, shared by all layers);
-    context_lens / query_lens: host ints (the scheduler knows them; planning
-    chunks needs no device sync). k_scale: fp32 [1] per-tensor K scale for
-    per-tensor fp8 layers (ignored by others); a default only, since K scales
-    are per layer: `MLAPrefill.forward(..., k_scale=)` overrides it.
-    block_size (optional, keyword): the block size the block table was built
-    for; when given, a layer with another block size refuses the metadata
-    (block ids mean different token ranges there). Pass it: without it that
-    mistake cannot be detected.
-
-    Immutable: layers share the chunk plans and device copies cached here,
-    keyed on what each depends on (`plan`: workspace rows and alignment;
-    `chunk_tensors`: the chunk and the device; `cu_seqlens_q`: the device), so
-    assigning a field would leave them stale. Build a new PrefillMetadata for a
-    new batch; assigning or deleting an attribute raises ValueError.
-    """
-
-    __slots__ = ("block_table", "context_lens", "query_lens", "k_scale", "block_size",
-                 "max_context_len", "_plans", "_cu_q", "_chunk_t")
-
-    def __init__(self, block_table: Tensor, context_lens, query_lens, k_scale: Tensor | None = None,
-                 *, block_size: int | None = None):
-        ctx = tuple(lengths(context_lens, "context_lens"))
-        qlens = tuple(lengths(query_lens, "query_lens"))
-        if len(ctx) != len(qlens):
-            raise ValueError(
-                f"query_lens: expected {len(ctx)} entries (as context_lens), got {len(qlens)}"
-            )
-        bt = block_table
-        if not isinstance(bt, Tensor) or bt.dim() != 2 or bt.dtype != torch.int32:
-            got = (f"a {bt.dim()}-D {bt.dtype} tensor" if isinstance(bt, Tensor)
-                   else type(bt).__name__)
-            raise ValueError(f"block_table: expected an int32 tensor [num_reqs, max_blocks], got {got}")
-        if bt.size(0) < len(ctx):
-            raise ValueError(
-                f"block_table: expected >= {len(ctx)} rows (one per request), got {bt.size(0)}"
-            )
-        if k_scale is not None and (not isinstance(k_scale, Tensor) or k_scale.dtype != torch.float32
-                                    or k_scale.numel() != 1):
-            got = (f"{k_scale.dtype} of shape {tuple(k_scale.shape)}" if isinstance(k_scale, Tensor)
-                   else type(k_scale).__name__)
-            raise ValueError(f"k_scale: expected a float32 tensor [1] or None, got {got}")
-        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
-                                       or block_size <= 0):
-            raise ValueError(f"block_size: expected a positive integer or None, got {block_size!r}")
-        init = object.__setattr__
-        init(self, "block_table", bt)
-        init(self, "context_lens", ctx)
-        init(self, "query_lens", qlens)
-        init(self, "k_scale", k_scale)
-        init(self, "block_size", block_size)
-        init(self, "max_context_len", max(ctx, default=0))
-        init(self, "_plans", {})
-        init(self, "_cu_q", {})
-        init(self, "_chunk_t", {})
-
-    def __setattr__(self, name, value):
-        raise ValueError(
-            f"{name}: PrefillMetadata is immutable (every layer shares the chunk plan and device "
-            "copies cached from it); build a new PrefillMetadata for a new batch"
-        )
-
-    def __delattr__(self, name):
-        self.__setattr__(name, None)
-
-    def __repr__(self) -> str:
-        return (f"PrefillMetadata(block_table={tuple(self.block_table.shape)} on "
-                f"{self.block_table.device}, context_lens={self.context_lens}, "
-                f"query_lens={self.query_lens}, k_scale={self.k_scale!r}, "
-                f"block_size={self.block_size})")
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-    def plan(self, rows: int, alignment: int) -> ChunkPlan:
-        """The chunk plan for a workspace of `rows` (cached: layers share it).
-
-        Keyed on (rows, alignment): with the (immutable) lengths that is all a
-        plan depends on. The block size enters only through the alignment
-        (B, or lcm(B, cp_size * I)), so layers of different block sizes with
-        the same alignment share a plan that is valid for both."""
-        key = (rows, alignment)
-        if key not in self._plans:
-            self._plans[key] = plan_context_chunks(self.context_lens, self.query_lens, rows, alignment)
-        return self._plans[key]
-
-    def cu_seqlens_q(self, device) -> Tensor:
-        device = torch.device(device)
-        if device not in self._cu_q:
-            offs = [0]
-            for n in self.query_lens:
-                offs.append(offs[-1] + n)
-            self._cu_q[device] = host_to_device(offs, device)  # pinned + async on CUDA
-        return self._cu_q[device]
-
-    def chunk_tensors(self, chunk, device):
-        """A chunk's int32 metadata on `device`, copied once per batch: every
-        layer with the same plan reuses it (one host-to-device copy, not one per layer).
-        Keyed on the chunk's value (all its offsets) and the device."""
-        key = (chunk, torch.device(device))
-        if key not in self._chunk_t:
-            self._chunk_t[key] = chunk.tensors(device)
-        return self._chunk_t[key]
-
-
-def _sparse_for(model: MLAModelConfig, sparse, context_parallel):
-    """The layer's SparseConfig: `sparse` when given (its indexer shape checked against the model
-    config's, when that has one), else the model config's own (`SparseConfig.from_config`), so a
-    layer of a sparse (DSA) model is sparse however it was described; None for a dense model."""
-    from mla_ext.sparse.layer import SPARSE_KEYS, SparseConfig
-
-    if sparse is not None and not isinstance(sparse, SparseConfig):
-        raise ValueError(f"sparse: expected an mla_ext.sparse.layer.SparseConfig or None, got "
-                         f"{type(sparse).__name__}")
-    stated = SparseConfig.from_config(model)
-    if sparse is None:
-        sparse = stated
-    elif stated is not None:
-        for key in SPARSE_KEYS:
-            if getattr(sparse, key) != getattr(stated, key):
-                raise ValueError(f"sparse: {key}={getattr(sparse, key)} but the model config {model.name!r} "
-                                 f"says {key}={getattr(stated, key)}; a layer's indexer is its model's")
-    if sparse is not None and context_parallel is not None:
-        raise ValueError(f"sparse: the sparse (DSA) path (index_topk={sparse.index_topk}) does not support "
-                         "context parallelism yet (its selected positions index the whole context); pass "
-                         "context_parallel=None")
-    return sparse
 
 
 class MLAPrefill:
@@ -273,7 +112,7 @@ class MLAPrefill:
         self.model = model = model.for_layer(self.spec.layer_index)
         # The layer's own sparse config: a sparse model's layers without an indexer (dots3_note's
         # sliding layers) are dense; every indexed layer carries the model's SparseConfig.
-        sparse = _sparse_for(model, sparse, context_parallel)
+        sparse = sparse_for(model, sparse, context_parallel)
         self.kv_b_proj = kv_b_proj if isinstance(kv_b_proj, KvBProj) else KvBProj(kv_b_proj)
         want_n = model.num_heads * (model.P + model.V)
         if (self.kv_b_proj.N, self.kv_b_proj.K) != (want_n, model.L):
@@ -318,7 +157,7 @@ class MLAPrefill:
             self.softmax_scale_source = (f"given by the caller (the model config says "
                                          f"{model.softmax_scale:.5f})")
         self.context_attention = ContextAttention(self, context_attention)
-        # DSA (mla_ext/sparse/layer.py): a SparseConfig (given, or the model config's own) makes this
+        # DSA (mla_ext/prefill/sparse.py): a SparseConfig (given, or the model config's own) makes this
         # layer attend only the tokens its indexer selects; None (dense families) keeps every path
         # above unchanged.
         self.sparse = sparse
@@ -498,7 +337,6 @@ class MLAPrefill:
         if self.sparse is None:
             raise ValueError(f"index_cache: layer {self.layer_index} is dense (no SparseConfig); it has no "
                              "index cache")
-        from mla_ext.sparse.layer import check_index_cache
 
         if kv_cache is not None:
             self.check_cache(kv_cache)
@@ -751,12 +589,11 @@ class MLAPrefill:
 
     def _check_index(self, index, kv_cache: Tensor) -> None:
         """A sparse layer's index cache (in IndexInputs) against the latent plan, whether or not this
-        batch needs it: page size, width, dtype and block count (mla_ext.sparse.layer.check_index_cache)."""
+        batch needs it: page size, width, dtype and block count (mla_ext.prefill.sparse.check_index_cache)."""
         if self.sparse is None or index is None or isinstance(index, Tensor):
             return
         cache = getattr(index, "cache", None)
         if cache is not None:
-            from mla_ext.sparse.layer import check_index_cache
 
             check_index_cache(self.sparse, cache, self.spec.block_size, kv_cache, arg="index.cache")
 
@@ -766,7 +603,7 @@ class MLAPrefill:
                 attention_scratch: AttentionScratch | None = None, index=None) -> Tensor:
         """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, R] of the new tokens -> [T, N, V].
 
-        `index`: a sparse layer's indexer inputs (mla_ext.sparse.layer.IndexInputs) or a selection
+        `index`: a sparse layer's indexer inputs (mla_ext.prefill.sparse.IndexInputs) or a selection
         made before (int32 [T, K]), needed once some request has more than index_topk tokens
         (context + new); ignored by dense layers.
 
@@ -822,13 +659,11 @@ class MLAPrefill:
             if index is None:
                 raise ValueError(f"index: layer {self.layer_index} is sparse (index_topk="
                                  f"{self.sparse.index_topk}) and a request has more tokens than that; "
-                                 "pass the indexer's inputs (mla_ext.sparse.layer.IndexInputs)")
+                                 "pass the indexer's inputs (mla_ext.prefill.sparse.IndexInputs)")
             if self.sinks is not None:
                 raise ValueError(f"sinks: layer {self.layer_index} has attention sinks and a request past "
                                  f"index_topk={self.sparse.index_topk}; the sparse (DSA) path does not take "
                                  "sinks yet (refused rather than silently dropped)")
-            from mla_ext.sparse.input_checks import check_index_inputs
-            from mla_ext.sparse.layer import sparse_forward
 
             check_index_inputs(self.sparse, index, kv_cache, q)
             return sparse_forward(self, q, kv_c_normed, k_pe, kv_cache, metadata, index, k_scale)

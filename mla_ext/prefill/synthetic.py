@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from mla_ext.cache import reference as cache_ref
-from mla_ext.formats import QuantMode
-from mla_ext.models import MLAModelConfig
+from mla_ext.config.formats import QuantMode
+from mla_ext.config.models import MLAModelConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 
 

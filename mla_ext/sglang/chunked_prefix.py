@@ -47,7 +47,7 @@ STATS = {"mla_ext": 0, "sglang": 0, "absorbed": 0, "up_project": 0}
 
 
 def context_mode() -> str:
-    from mla_ext.prefill.absorbed import check_context_attention
+    from mla_ext.prefill.context import check_context_attention
 
     value = os.environ.get(CONTEXT_ENV, "").strip().lower() or "auto"
     try:
@@ -125,7 +125,7 @@ def _sparse_of(attn):
     topk = dsa_index_topk(attn)
     if topk is None:
         return None
-    from mla_ext.sparse.layer import SparseConfig
+    from mla_ext.prefill.sparse import SparseConfig
 
     ix = attn.indexer
     return SparseConfig(topk, int(ix.n_heads), int(ix.head_dim))
@@ -133,8 +133,8 @@ def _sparse_of(attn):
 
 def _layer(attn, fmt: str, page_size: int, dtype: torch.dtype, rows: int, mode: str):
     """The attention module's MLAPrefill for this pool format (built once, kept on the module)."""
-    from mla_ext.models import MLAModelConfig
-    from mla_ext.policy import CacheConfig
+    from mla_ext.config.models import MLAModelConfig
+    from mla_ext.config.policy import CacheConfig
     from mla_ext.prefill.layer import MLAPrefill
 
     weight = attn.kv_b_proj.weight

@@ -8,7 +8,7 @@ else chunked). With the plugin, the same handlers run with that threshold at
 1 token, and a one-shot choice with a prefix becomes chunked: every extend
 batch with a prefix reaches ``_chunked_prefix_attn_mha``, where mla_ext decides
 per chunk between latent-space (absorbed) and up-projected attention from the
-chunk's shape and the device's rates (mla_ext.prefill.absorbed_cost). All of
+chunk's shape and the device's rates (mla_ext.prefill.context_cost). All of
 the handlers' other rules stay theirs (CUDA-graph capture and context
 parallelism pin MLA, ``disable_chunked_prefix_cache``, flashinfer's
 ``disable_ragged``, deterministic inference, speculative batches).

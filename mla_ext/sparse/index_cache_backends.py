@@ -23,7 +23,9 @@ import torch
 from torch import Tensor
 
 from mla_ext import _ext
-from mla_ext.dispatch import Backend, Dispatcher
+from mla_ext.config.index_formats import FORMATS
+from mla_ext.dispatch import Backend, Dispatcher, report_device
+from mla_ext.sparse.index_cache_torch import _gather_torch, _write_torch
 
 _NATIVE = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -129,7 +131,7 @@ def _triton_heuristic(inp) -> list[str]:
 
 
 def _triton_write_reasons(inp: IndexWriteInputs) -> list[str]:
-    from mla_ext.attention.triton_latent import _pad
+    from mla_ext.attention.triton_latent import _pad  # Triton is optional
 
     why = _triton_device_reasons(inp.cache)
     D = inp.k.shape[1]
@@ -163,14 +165,10 @@ def _run_triton_gather(inp: IndexGatherInputs) -> None:
 
 
 def _run_torch_write(inp: IndexWriteInputs) -> None:
-    from mla_ext.sparse.index_cache import _write_torch
-
     _write_torch(inp)
 
 
 def _run_torch_gather(inp: IndexGatherInputs) -> None:
-    from mla_ext.sparse.index_cache import _gather_torch
-
     _gather_torch(inp)
 
 
@@ -191,9 +189,6 @@ INDEX_GATHER = Dispatcher("index_gather", [
 def backend_report(device=None) -> list[tuple[str, str, list[str]]]:
     """[(op, backend, reasons)] of the index-cache writer and gather for a probe on `device`
     (default: CUDA if visible), in the form `python -m mla_ext info` shows."""
-    from mla_ext.dispatch import report_device
-    from mla_ext.sparse.index_cache import FORMATS
-
     dev = report_device(device)
     fmt = FORMATS["bfloat16"]
     cache = torch.empty(1, 16, 128, dtype=torch.bfloat16, device=dev)

@@ -24,7 +24,7 @@ k-th score is tied, and the parity tests accept exactly those substitutions.
 Ties are common: relu makes a token's score exactly 0 whenever every head's
 dot product is negative.
 
-Sparse attention: MLA in latent space (mla_ext/prefill/absorbed_reference.py)
+Sparse attention: MLA in latent space (mla_ext/attention/latent_reference.py)
 of each query against the latent rows [kv_c | k_pe] at its selected positions,
 with natural-log LSE [N, T]; a query with no selected token gets o = 0,
 lse = -inf. With topk >= ctx + q_len nothing is dropped and it is dense causal
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla_ext.prefill.absorbed_reference import split_kv_b_proj
+from mla_ext.attention.latent_reference import split_kv_b_proj
 
 PAD = -1
 

@@ -24,8 +24,9 @@ from mla_ext.attention import triton_latent as TL
 from mla_ext.cache.checks import check_cache_dtype
 from mla_ext.cache.reference import decode_cache_rows
 from mla_ext.dispatch import Backend, Dispatcher
-from mla_ext.formats import QuantMode, get_format
-from mla_ext.prefill.absorbed import latent_outputs
+from mla_ext.config.formats import QuantMode, get_format
+from mla_ext.attention.latent import latent_outputs
+from mla_ext.dispatch import report_device
 
 MAX_ROW_BYTES = 64 << 20  # torch backend: decoded rows per query block
 
@@ -190,8 +191,6 @@ def sparse_latent_attention(
 def backend_report(device=None) -> list[tuple[str, str, list[str]]]:
     """[(op, backend, reasons)] of the sparse latent attention for a probe on `device`
     (default: CUDA if visible), in the form `python -m mla_ext info` shows."""
-    from mla_ext.dispatch import report_device
-
     dev = report_device(device)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     q = torch.empty(1, 1, 512, dtype=dt, device=dev)

@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from mla_ext._args import check_no_meta
+from mla_ext.config.sparse import DEFAULT_CHUNK
+from mla_ext.dispatch import report_device
 from mla_ext.sparse.index_cache import check_index_cache, gather_index_keys, get_index_format
 from mla_ext.sparse.reference import PAD, check_lens
 
-DEFAULT_CHUNK = 4096
 DEFAULT_QUERY_BLOCK = 256
 
 
@@ -156,18 +157,17 @@ def _keys(cache, block_table, r, c, p0, p1, k_new_r, fmt, D, dev) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat([parts[0].to(parts[1].dtype), parts[1]])
 
 
-INDEXER_BACKENDS = ("triton", "torch")  # indexer_topk(backend=...): the caller picks (mla_ext.sparse.layer)
+INDEXER_BACKENDS = ("triton", "torch")  # indexer_topk(backend=...): the caller picks (mla_ext.prefill.sparse)
 
 
 def backend_report(device=None) -> list[tuple[str, str, list[str]]]:
     """[(op, backend, reasons)] of the indexer scoring + top-k for a probe on `device` (default:
     CUDA if visible), in the form `python -m mla_ext info` shows (its backend is an argument of
     indexer_topk, not a Dispatcher)."""
-    from mla_ext.dispatch import report_device
     from mla_ext.sparse import triton_indexer
 
     q = torch.empty(1, 1, 128, device=report_device(device))
     off_cuda = [] if q.device.type == "cuda" else [f"tensors on {q.device}: the sparse layer scores with torch "
-                                                   "off CUDA (mla_ext.sparse.layer.indexer_backend)"]
+                                                   "off CUDA (mla_ext.prefill.sparse.indexer_backend)"]
     why = {"triton": off_cuda + triton_indexer.not_supported_reasons(q), "torch": []}
     return [("indexer_topk", name, why[name]) for name in INDEXER_BACKENDS]

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from mla_ext.attention.triton_latent import _pad, interpreting
 from mla_ext.sparse._triton import device_reasons, tl, triton
-from mla_ext.sparse.index_cache import _geometry, check_gather_offsets, get_index_format
+from mla_ext.config.index_formats import get_index_format
+from mla_ext.sparse.index_cache_torch import _geometry, check_gather_offsets
 
 if triton is not None:
     from mla_ext.triton_fp8 import e4m3_to_f32, launch_guard
@@ -111,7 +112,7 @@ def _block_t() -> int:
     return 16 if interpreting() else 32
 
 
-# GPU warps per launch (ptxas -v, triton 3.8, D = 128; tests/test_sparse_aot.py): the writer's
+# GPU warps per launch (ptxas -v, triton 3.8, D = 128; tests/sparse/test_sparse_aot.py): the writer's
 # 32-token tile spilled 24 B on sm_86 with 4 warps, none with 8; the gather's none with 4.
 WRITE_WARPS, GATHER_WARPS = 8, 4
 

@@ -113,7 +113,7 @@ def score_range_triton(q: Tensor, w: Tensor, cache: Tensor | None, fp8: bool, bl
     if interpreting() or q.device.type != "cuda":
         bm, bn, warps = max(16, min(64, triton.next_power_of_2(M))), 64, 4
     else:
-        bm, bn, warps = 64, 64, 8  # ptxas: 4 warps spilled 336 B on sm_90a with fp8 keys (tests/test_sparse_aot.py)
+        bm, bn, warps = 64, 64, 8  # ptxas: 4 warps spilled 336 B on sm_90a with fp8 keys (tests/sparse/test_sparse_aot.py)
     grid = (triton.cdiv(M, bm), triton.cdiv(p1 - p0, bn))
     bt = block_row.to(torch.int32).contiguous()
     with launch_guard(q):

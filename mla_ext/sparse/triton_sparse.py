@@ -1,6 +1,6 @@
 """Sparse latent attention straight from the paged cache, in Triton.
 
-Each new token t attends, in latent space (mla_ext/prefill/absorbed.py for the algebra),
+Each new token t attends, in latent space (mla_ext/attention/latent.py for the algebra),
 exactly the positions listed in indices[t] (request-local index space,
 mla_ext/sparse/reference.py): a position below the request's context length is read from
 the paged cache through its block-table row and DECODED IN THE LOADER (every cache format,
@@ -103,7 +103,7 @@ if triton is not None:
 
 
 # GPU tiles (BLOCK_H, BLOCK_N, num_warps, num_stages), from ptxas -v at L = 512, R = 64 (triton 3.8;
-# tests/test_sparse_aot.py compiles every one and fails on any spill): 16 x 32 on 8 warps, one
+# tests/sparse/test_sparse_aot.py compiles every one and fails on any spill): 16 x 32 on 8 warps, one
 # stage, for 16-bit queries and the fp8 / ds_mla / native decoders (this kernel decodes a whole
 # tile at once, load_latent_rows); nvfp4's decoder needs 16 x 16 on
 # 8 warps (32 x 16 spilled 440 B on sm_86, 16 x 32 124 B on sm_90a); fp32 on sm_90a 4 warps

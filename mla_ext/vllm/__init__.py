@@ -26,7 +26,7 @@ __all__ = [
     "merge_attn_states",
 ]
 
-# Present exactly when mla_ext.formats has the nvfp4_ds_mla format.
+# Present exactly when mla_ext.config.formats has the nvfp4_ds_mla format.
 if hasattr(_custom_ops, "cp_gather_and_upconvert_nvfp4_kv_cache"):
     cp_gather_and_upconvert_nvfp4_kv_cache = _custom_ops.cp_gather_and_upconvert_nvfp4_kv_cache
     __all__.append("cp_gather_and_upconvert_nvfp4_kv_cache")

@@ -49,7 +49,7 @@ cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_star
     offloaded cache) are not supported: anything but None is refused.
 
 cp_gather_and_upconvert_nvfp4_kv_cache(src_cache, dst, block_table, workspace_starts, batch_size)
-    Defined exactly when mla_ext.formats has nvfp4_ds_mla (352-byte rows): the
+    Defined exactly when mla_ext.config.formats has nvfp4_ds_mla (352-byte rows): the
     native nvfp4_ds_mla gather into bf16 [tokens, 576], rows as above. vLLM's
     signature has no seq_starts: every request is gathered from its token 0.
     vLLM runs it on SM100 only; here on every backend of the native gather.
@@ -89,13 +89,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mla_ext import formats
+from mla_ext.config import formats
 from mla_ext._fake import _one_device
 from mla_ext.attention import api as attn_api
 from mla_ext.cache import api as cache_api
 from mla_ext.cache import checks as cache_checks
 from mla_ext.cache.checks import check_no_internal_overlap, check_no_overlap
-from mla_ext.formats import DsMla, E4M3_MAX
+from mla_ext.config.formats import DsMla, E4M3_MAX
 
 NAMESPACE = "mla_ext_vllm"
 # vLLM 0.33's gather_and_maybe_dequant_cache takes these dst widths only.

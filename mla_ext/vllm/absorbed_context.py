@@ -8,8 +8,8 @@ replaced, and that is what ``MLA_EXT_VLLM_CONTEXT`` asks the plugin to do:
 * ``vllm`` (default, or unset): vLLM's own chunk loop, untouched;
 * ``absorbed``: every batch's context attended in latent space (queries absorbed
   through W_UK, multi-query attention against the cached latent rows decoded
-  in the loader, output un-absorbed through W_UV; mla_ext/prefill/absorbed.py);
-* ``auto``: per batch, mla_ext's cost model (mla_ext/prefill/absorbed_cost.py,
+  in the loader, output un-absorbed through W_UV; mla_ext/attention/latent.py);
+* ``auto``: per batch, mla_ext's cost model (mla_ext/prefill/context_cost.py,
   the device's measured rates or stated defaults) picks absorbed or vLLM's
   up-projection, in place of always up-projecting.
 
@@ -40,8 +40,8 @@ import os
 import torch
 
 from mla_ext.attention import api as attn_api
-from mla_ext.prefill import absorbed as AB
-from mla_ext.prefill import absorbed_cost as AC
+from mla_ext.attention import latent as AB
+from mla_ext.prefill import context_cost as AC
 
 CONTEXT_ENV = "MLA_EXT_VLLM_CONTEXT"
 CONTEXT_MODES = ("vllm", "absorbed", "auto")

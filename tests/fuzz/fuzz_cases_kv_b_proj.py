@@ -21,7 +21,7 @@ from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
 from mla_ext.kv_b_proj import from_module, input_dtype, linear, shard
 from mla_ext.kv_b_proj import reference as ref
 from mla_ext.kv_b_proj import weights as W
-from mla_ext.models import MLAModelConfig
+from mla_ext.config.models import MLAModelConfig
 
 BF16, F32 = torch.bfloat16, torch.float32
 E4M3 = torch.float8_e4m3fn

@@ -27,7 +27,7 @@ from fuzz_harness import QUICK, Call, add, assert_same_bits
 from mla_ext.cache import api as cache_api
 from mla_ext.cache import reference as ref
 from mla_ext.sparse import index_cache as ic
-from mla_ext.formats import QuantMode, get_format
+from mla_ext.config.formats import QuantMode, get_format
 from mla_ext.sparse.index_cache_backends import IndexGatherInputs, IndexWriteInputs
 
 I32 = torch.int32

@@ -1,5 +1,5 @@
 """Fuzz class "sparse routing": every entry point that attends a possibly sparse (DSA) layer, for
-every source a sparse layer comes from (tests/sparse_routing_data.py: a given SparseConfig, the
+every source a sparse layer comes from (tests/helpers/sparse_routing.py: a given SparseConfig, the
 model config's own, the built-in sparse models once the config reader gives them one), gets the
 same cases by construction (the ENTRY x SOURCE tables below):
 
@@ -21,12 +21,12 @@ import types
 import torch
 
 from fuzz_harness import QUICK, Call, add
-from mla_ext.policy import CacheConfig
+from mla_ext.config.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill
 from mla_ext.sparse.index_cache import get_index_format
-from mla_ext.sparse.layer import sparse_forward
-from prefill_data import BLOCK
-from sparse_routing_data import (SPARSE, SPARSE_TINY, available_sources, batch_for, model_config_says, past,
+from mla_ext.prefill.sparse import sparse_forward
+from helpers.prefill import BLOCK
+from helpers.sparse_routing import (SPARSE, SPARSE_TINY, available_sources, batch_for, model_config_says, past,
                                  sparse_layer, weight)
 
 PREFILL = "mla_ext.prefill.layer:MLAPrefill"
@@ -227,8 +227,8 @@ for _source in available_sources():
 def _transformers_case(family, with_cache):
     def build(g):
         from mla_ext.integrations.transformers_deepseek import TransformersMLA
-        from sparse_cache_data import paged_layout
-        from sparse_data import tiny_model
+        from helpers.sparse_cache import paged_layout
+        from helpers.sparse import tiny_model
 
         model = tiny_model(family, topk=8)
         layer = TransformersMLA(model.layers[0].self_attn, CacheConfig("auto", block_size=BLOCK),

@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from gather_data import same_bits
+from helpers.gather import same_bits
 
 OUTCOMES = ("OK-accepted", "OK-rejected", "VAGUE", "WRONG", "CRASH", "HANG", "ERROR")
 OK = ("OK-accepted", "OK-rejected")

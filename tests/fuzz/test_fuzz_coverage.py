@@ -21,8 +21,8 @@ from fuzz_harness import ALSO, REGISTRY
 MODULES = (
     "mla_ext.cache.api", "mla_ext.attention.api", "mla_ext.kv_b_proj.linear", "mla_ext.kv_b_proj.weights",
     "mla_ext.kv_b_proj.from_module", "mla_ext.kv_b_proj.shard", "mla_ext.kv_b_proj.input_dtype",
-    "mla_ext.prefill.layer", "mla_ext.prefill.chunking", "mla_ext.models", "mla_ext.policy", "mla_ext.planner",
-    "mla_ext.formats", "mla_ext.cli",
+    "mla_ext.prefill.layer", "mla_ext.prefill.chunking", "mla_ext.config.models", "mla_ext.config.policy", "mla_ext.config.planner",
+    "mla_ext.config.formats", "mla_ext.cli",
 )
 
 RECORD = "a plain record of values (no checks of its own); fuzzed through the entry points that build it"
@@ -35,12 +35,12 @@ EXEMPT = {
     "mla_ext.prefill.chunking:ChunkTensors": RECORD + " (plan_context_chunks, PrefillMetadata)",
     "mla_ext.prefill.chunking:ContextChunk": RECORD + " (plan_context_chunks)",
     "mla_ext.prefill.chunking:ChunkPlan": RECORD + " (plan_context_chunks)",
-    "mla_ext.planner:LayerPlan": RECORD + " (plan_pool, plan_model)",
-    "mla_ext.models:LayerDims": RECORD + " (MLAModelConfig(layer_dims=), config_from_dict)",
-    "mla_ext.formats:QuantMode": "an IntEnum (its values are checked against the C++ registry by format_info)",
-    "mla_ext.formats:ScaleKind": "an IntEnum (its values are checked against the C++ registry by format_info)",
-    "mla_ext.formats:DsMla": "byte-layout constants (checked against the kernels by ds_mla_layout)",
-    "mla_ext.formats:Nvfp4DsMla": "byte-layout constants of a cache format (fuzzed through the cache ops)",
+    "mla_ext.config.planner:LayerPlan": RECORD + " (plan_pool, plan_model)",
+    "mla_ext.config.models:LayerDims": RECORD + " (MLAModelConfig(layer_dims=), config_from_dict)",
+    "mla_ext.config.formats:QuantMode": "an IntEnum (its values are checked against the C++ registry by format_info)",
+    "mla_ext.config.formats:ScaleKind": "an IntEnum (its values are checked against the C++ registry by format_info)",
+    "mla_ext.config.formats:DsMla": "byte-layout constants (checked against the kernels by ds_mla_layout)",
+    "mla_ext.config.formats:Nvfp4DsMla": "byte-layout constants of a cache format (fuzzed through the cache ops)",
 }
 
 

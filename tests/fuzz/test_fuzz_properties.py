@@ -22,7 +22,7 @@ import fuzz_cases_kv_b_proj as fk
 import fuzz_cases_host as fh
 from fuzz_harness import Call, assert_close_rel, run_one
 from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
-from mla_ext.formats import ScaleKind, get_format
+from mla_ext.config.formats import ScaleKind, get_format
 from mla_ext.prefill import chunking
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
