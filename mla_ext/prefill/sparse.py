@@ -29,7 +29,7 @@ from torch import Tensor
 from mla_ext._args import check_no_meta
 from mla_ext.attention.latent import absorb_queries, absorbed_weights, unabsorb
 from mla_ext.config.sparse import SPARSE_KEYS, SparseConfig
-from mla_ext.sparse.index_cache import get_index_format
+from mla_ext.sparse.index_cache import check_index_cache as check_index_cache_format
 from mla_ext.sparse.sparse_attention import sparse_latent_attention
 from mla_ext.sparse.topk import indexer_topk
 
@@ -92,38 +92,9 @@ def check_index_cache(cfg: SparseConfig, index_cache, block_size: int, kv_cache:
     latent cache's page size; another page size maps block b, offset o to other tokens and the
     indexer scores the wrong rows), at least as many blocks as the latent cache (an id valid there
     must be valid here), the storage dtype of `cfg.index_cache_dtype` and its row width (D, or
-    D + 4*D/Q bytes for fp8). ValueError naming `arg` otherwise."""
-    fmt = get_index_format(cfg.index_cache_dtype)
-    D = cfg.index_head_dim
-    if not isinstance(index_cache, Tensor):
-        raise ValueError(f"{arg}: expected a paged index cache tensor [num_blocks, {block_size}, ...] "
-                         f"({cfg.index_cache_dtype}), got {type(index_cache).__name__}")
-    if index_cache.dim() != 3 or index_cache.dtype != fmt.storage_dtype:
-        raise ValueError(f"{arg}: expected a 3-D {fmt.storage_dtype} tensor [num_blocks, {block_size}, ...] "
-                         f"(index_cache_dtype={cfg.index_cache_dtype!r}), got {index_cache.dtype} "
-                         f"{tuple(index_cache.shape)}")
-    if index_cache.shape[1] != block_size:
-        raise ValueError(f"{arg}: pages of {index_cache.shape[1]} tokens, but the latent cache's block_size is "
-                         f"{block_size}; one block id names a page of each, so the index cache's page size must "
-                         f"be {block_size} (else the indexer scores other tokens' keys)")
-    width = index_cache.shape[2]
-    if not fmt.quantized:
-        ok = width == D
-        want = f"{D} (index_head_dim)"
-    else:  # D e4m3 bytes then D/Q fp32 scales per token, Q a divisor of D
-        extra = width - D
-        ok = extra > 0 and extra % 4 == 0 and D % (extra // 4) == 0
-        want = f"index_head_dim + 4 * index_head_dim / Q bytes = {D + 4} for Q = {D} (one scale per token)"
-    if not ok:
-        raise ValueError(f"{arg}: rows of {width} {index_cache.dtype} elements, expected {want} "
-                         f"(index_cache_dtype={cfg.index_cache_dtype!r}, index_head_dim={D})")
-    if fmt.quantized and not index_cache[0].is_contiguous():
-        raise ValueError(f"{arg}: fp8 pages must be contiguous (values then scales)")
-    if kv_cache is not None and index_cache.shape[0] < kv_cache.shape[0]:
-        raise ValueError(f"{arg}: {index_cache.shape[0]} blocks, fewer than the latent cache's "
-                         f"{kv_cache.shape[0]}; every block id of the latent cache names an index page too")
-    if kv_cache is not None and index_cache.device != kv_cache.device:
-        raise ValueError(f"{arg}: on {index_cache.device}, expected the latent cache's device {kv_cache.device}")
+    D + 4*D/Q bytes for fp8): mla_ext.sparse.index_cache.check_index_cache with the layer's facts."""
+    check_index_cache_format(index_cache, cfg.index_cache_dtype, cfg.index_head_dim, block_size, arg=arg,
+                             kv_cache=kv_cache)
 
 
 def check_index_inputs(cfg, index, kv_cache: Tensor, q: Tensor) -> None:

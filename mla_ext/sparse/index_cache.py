@@ -29,25 +29,44 @@ from mla_ext.sparse.index_cache_torch import _geometry
 
 
 def check_index_cache(cache, index_cache_dtype, head_dim: int, block_size: int | None = None,
-                      arg: str = "index_cache") -> None:
-    """An index cache for `index_cache_dtype` and index_head_dim `head_dim`, checked up front (no
-    data read): a 3-D tensor of the format's storage dtype holding data (not meta), rows of
-    head_dim values (fp8: head_dim + 4 * head_dim / Q bytes) and, when given, `block_size` tokens
-    per page (the latent cache's: one block table names both pages)."""
+                      arg: str = "index_cache", kv_cache: Tensor | None = None) -> None:
+    """An index cache for `index_cache_dtype` and index_head_dim `head_dim`, checked before anything
+    reads it (no data read): a 3-D tensor of the format's storage dtype holding data (not meta), rows
+    of head_dim values (fp8: head_dim e4m3 bytes + 4 * head_dim / Q scale bytes, Q a divisor of
+    head_dim; pages contiguous) and, when given, `block_size` tokens per page. With `kv_cache` (the
+    layer's latent cache: the same block ids name a latent page and an index page) also at least as
+    many blocks as it and on its device. ValueError naming `arg` otherwise. One check for the format
+    level (the indexer, the gathers) and the layer's plan (mla_ext.prefill.sparse.check_index_cache)."""
     fmt = get_index_format(index_cache_dtype)
+    D, B = head_dim, "B" if block_size is None else block_size
     if not isinstance(cache, Tensor):
-        raise ValueError(f"{arg}: expected a torch.Tensor, got {type(cache).__name__}")
-    check_no_meta(**{arg: cache})
-    try:
-        B, D, _ = _geometry(cache, fmt, head_dim)
-    except ValueError as exc:
-        raise ValueError(f"{arg}: {exc}") from None
-    if D != head_dim:
-        raise ValueError(f"{arg}: expected rows of index_head_dim={head_dim} values ({fmt.name}), got width "
-                         f"{cache.shape[2]}")
-    if block_size is not None and B != block_size:
-        raise ValueError(f"{arg}: expected block_size {block_size} (the latent cache's: one block table names both "
-                         f"pages), got {B}")
+        raise ValueError(f"{arg}: expected a paged index cache tensor [num_blocks, {B}, ...] "
+                         f"({fmt.name}), got {type(cache).__name__}")
+    if cache.dim() != 3 or cache.dtype != fmt.storage_dtype:
+        raise ValueError(f"{arg}: expected a 3-D {fmt.storage_dtype} tensor [num_blocks, {B}, ...] "
+                         f"(index_cache_dtype={fmt.name!r}), got {cache.dtype} {tuple(cache.shape)}")
+    if block_size is not None and cache.shape[1] != block_size:
+        raise ValueError(f"{arg}: pages of {cache.shape[1]} tokens, but the latent cache's block_size is "
+                         f"{block_size}; one block id names a page of each, so the index cache's page size must "
+                         f"be {block_size} (else the indexer scores other tokens' keys)")
+    width = cache.shape[2]
+    if not fmt.quantized:
+        ok, want = width == D, f"{D} (index_head_dim)"
+    else:  # D e4m3 bytes then D/Q fp32 scales per token, Q a divisor of D
+        extra = width - D
+        ok = extra > 0 and extra % 4 == 0 and D % (extra // 4) == 0
+        want = f"index_head_dim + 4 * index_head_dim / Q bytes = {D + 4} for Q = {D} (one scale per token)"
+    if not ok:
+        raise ValueError(f"{arg}: rows of {width} {cache.dtype} elements, expected {want} "
+                         f"(index_cache_dtype={fmt.name!r}, index_head_dim={D})")
+    if fmt.quantized and cache.shape[0] and not cache[0].is_contiguous():
+        raise ValueError(f"{arg}: fp8 pages must be contiguous (values then scales)")
+    if kv_cache is not None and cache.shape[0] < kv_cache.shape[0]:
+        raise ValueError(f"{arg}: {cache.shape[0]} blocks, fewer than the latent cache's "
+                         f"{kv_cache.shape[0]}; every block id of the latent cache names an index page too")
+    if kv_cache is not None and cache.device != kv_cache.device:
+        raise ValueError(f"{arg}: on {cache.device}, expected the latent cache's device {kv_cache.device}")
+    check_no_meta(**{arg: cache})  # (after the device check: beside a latent cache, a meta one is off its device)
 
 
 def write_index_cache(k: Tensor, cache: Tensor, slot_mapping: Tensor, index_cache_dtype="bfloat16", *,

@@ -81,8 +81,9 @@ def test_the_sparse_layer_still_runs_with_its_own_index_cache():
 
 
 @pytest.mark.parametrize("fmt,width,match", [
-    ("bfloat16", 16, r"index_cache: expected rows of index_head_dim=32 values \(bfloat16\), got width 16"),
-    ("fp8", 32 + 3, r"index_cache: index cache: width 35 is not head_dim=32 \+ 4 \* head_dim / Q"),
+    # One index-cache check serves the indexer and the layer's plan (the layer's messages).
+    ("bfloat16", 16, r"index_cache: rows of 16 torch.bfloat16 elements, expected 32 \(index_head_dim\)"),
+    ("fp8", 32 + 3, r"index_cache: rows of 35 torch.uint8 elements, expected index_head_dim \+ 4 \* index_head_dim / Q"),
 ])
 def test_indexer_topk_refuses_an_index_cache_of_another_width(fmt, width, match):
     f = ic.get_index_format(fmt)
