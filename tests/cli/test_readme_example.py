@@ -11,7 +11,9 @@ import torch
 from mla_ext.cache import reference as cache_ref
 from mla_ext.prefill.reference import mla_prefill_reference
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+TRANSFORMERS_DOC = ROOT / "docs" / "transformers.md"
 
 
 def model_code_example() -> str:
@@ -52,10 +54,11 @@ def test_readme_model_code_runs_as_written_and_is_right(capsys):
 
 
 def transformers_example() -> str:
-    text = README.read_text(encoding="utf-8")
-    section = text.split("## transformers models", 1)[1].split("\n## ", 1)[0]
+    """The python block of docs/transformers.md's 'One call shape for every family' section."""
+    text = TRANSFORMERS_DOC.read_text(encoding="utf-8")
+    section = text.split("## One call shape for every family", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```python\n(.*?)```", section, re.S)
-    assert block, "README's 'transformers models' section has no python block"
+    assert block, "docs/transformers.md's 'One call shape for every family' section has no python block"
     return block.group(1)
 
 
@@ -77,7 +80,7 @@ def _tiny_layers(family):
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v3"])
 def test_readme_transformers_example_is_one_call_shape_for_every_family(family):
-    """The transformers section's block runs as written on a DSA (DeepSeek-V3.2) and a dense
+    """docs/transformers.md's block runs as written on a DSA (DeepSeek-V3.2) and a dense
     (DeepSeek-V3) layer: the DSA one sparse past index_topk (40 context + 5 new > 16)."""
     pytest.importorskip("transformers")
     model, i = _tiny_layers(family)
@@ -90,7 +93,7 @@ def test_readme_transformers_example_is_one_call_shape_for_every_family(family):
     env = dict(torch=torch, model=model, i=i, num_blocks=nb, ctx_hidden=x[:ctx], ctx_positions=torch.arange(ctx),
                ctx_slots=torch.arange(B, B + ctx), new_hidden=x[ctx:], new_positions=torch.arange(ctx, ctx + new),
                block_table=table, ctx_lens=[ctx], new_lens=[new])
-    exec(compile(transformers_example(), str(README), "exec"), env)
+    exec(compile(transformers_example(), str(TRANSFORMERS_DOC), "exec"), env)
     layer, out, y = env["layer"], env["out"], env["y"]
     assert out.shape == (new, layer.model.num_heads, layer.model.V) and torch.isfinite(out).all()
     assert y.shape == (new, hidden)
