@@ -75,7 +75,7 @@ Offsets on CPU tensors (cu_seq_lens, seq_starts, workspace_starts) are read and 
 negative, decreasing or past-dst one is refused naming it; on CUDA they are not read
 (no host sync) and the kernels bound every row.
 
-Where the surface differs from vLLM 0.33 (also in README "Using mla_ext from vLLM"):
+Where the surface differs from vLLM 0.33 (also in docs/vllm.md):
   * gather rows whose token lies past the block table's width, or whose block
     id is out of [0, num_blocks), are written as zeros (mla_ext's defined
     out-of-range result, no read); vLLM leaves rows past the table untouched.
