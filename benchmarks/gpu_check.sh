@@ -275,7 +275,7 @@ pool() {
   local f name t limit now pid rc fl done_name
   done_groups="$done_groups$group "
   if ! selected "$group"; then
-    for f in "$@"; do record "$group.${f%.py}" "SKIPPED" 0 0 "not in GPU_CHECK_ONLY"; done
+    for f in "$@"; do record "$group.$(basename "${f%.py}")" "SKIPPED" 0 0 "not in GPU_CHECK_ONLY"; done
     return 0
   fi
   t=$(elapsed)
@@ -284,7 +284,7 @@ pool() {
     echo "PLAN group=$group start=$t cap=$gcap limit=$limit jobs=$JOBS files=$#"
     for f in "$@"; do
       fl=$fcap; [ $limit -lt $fl ] && fl=$limit
-      echo "PLAN step=$group.${f%.py} group=$group start=$t cap=$fcap min=$min limit=$fl" \
+      echo "PLAN step=$group.$(basename "${f%.py}") group=$group start=$t cap=$fcap min=$min limit=$fl" \
            "skipped=$([ $fl -lt "$min" ] && echo 1 || echo 0)"
     done
     [ "$assume" = "cap" ] && [ $limit -ge "$min" ] && SIM=$((SIM + limit + KILL_GRACE + PACK_S))
@@ -310,7 +310,7 @@ pool() {
   }
   echo "== $group: $# files, $JOBS at a time, group limit ${limit}s"
   for f in "$@"; do
-    name="$group.${f%.py}"
+    name="$group.$(basename "${f%.py}")"
     while [ ${#started[@]} -ge "$JOBS" ]; do reap; done
     now=$(elapsed)
     fl=$(limit_for "$fcap")

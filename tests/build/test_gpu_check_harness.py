@@ -48,7 +48,7 @@ def _head(lines):
 
 
 def cuda_test_files() -> list[str]:
-    return sorted(p.stem for p in (ROOT / "tests").glob("test_*.py") if re.search(r"mark\.cuda", p.read_text()))
+    return sorted(p.stem for p in (ROOT / "tests").rglob("test_*.py") if re.search(r"mark\.cuda", p.read_text()))
 
 
 def check_limits(lines: list[dict]) -> None:

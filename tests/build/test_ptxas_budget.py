@@ -366,7 +366,7 @@ for cc, br in ((86, 16), (90, 32)):
 # latent attention, the cache writer and KV scale), compiled
 # from the launches tests/build/triton_specialization_probe.py records (nothing runs): the
 # signature and specialization a GPU run would compile.
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/build")  # the probe (cwd: the repository root)
 import triton_specialization_probe as probe
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature

@@ -122,7 +122,7 @@ _case("longcat_flash", "odd_num_hidden_layers", _spoiled("longcat_flash", num_la
 
 # The other config entry points.
 CFH = "mla_ext.config.models:config_from_hf"
-SF = "mla_ext.config.models:sparse_fields"
+SF = "mla_ext.config.sparse:sparse_fields"
 if transformers_reader_enabled():
     add(CFH, "glm5_config_object", lambda g: Call(
         lambda: models.config_from_hf(config_class("glm_moe_dsa").from_dict(BASES["glm_moe_dsa"])),

@@ -37,7 +37,7 @@ GIB = 1 << 30
 
 LAYER = "mla_ext.prefill.layer"
 PREFILL = f"{LAYER}:MLAPrefill"
-META_E = f"{LAYER}:PrefillMetadata"
+META_E = "mla_ext.prefill.metadata:PrefillMetadata"
 CHUNK = "mla_ext.prefill.chunking"
 MOD = "mla_ext.config.models"
 POL = "mla_ext.config.policy"
@@ -336,7 +336,7 @@ meta_case("plan_rows_zero", lambda g: L.PrefillMetadata(_bt(g), [5, 0], [1, 2]).
 meta_case("plan_valid", lambda g: L.PrefillMetadata(_bt(g), [50, 0], [1, 2]).plan(32, 16), "accept",
           check=that(lambda p: sum(c.total_rows for c in p.chunks) == 50, lambda p: p))
 
-CP = f"{LAYER}:ContextParallel"
+CP = "mla_ext.prefill.metadata:ContextParallel"
 simple(CP, "valid", lambda: L.ContextParallel(None, 2, 1, 4), "accept")
 simple(CP, "cp_size_zero", lambda: L.ContextParallel(None, 0, 0), args=("cp_size",))
 simple(CP, "rank_past_size", lambda: L.ContextParallel(None, 2, 2), args=("rank",))

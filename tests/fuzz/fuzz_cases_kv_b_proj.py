@@ -33,6 +33,7 @@ KVB = f"{LIN}:KvBProj"
 WTS = "mla_ext.kv_b_proj.weights"
 FROM = "mla_ext.kv_b_proj.from_module:weight_format_from_module"
 SHARD = "mla_ext.kv_b_proj.shard"
+ROWS = "mla_ext.kv_b_proj.rows"
 IDT = "mla_ext.kv_b_proj.input_dtype"
 OPS = "torch.ops.mla_ext"
 
@@ -360,9 +361,9 @@ ctor(IW, "zeros_shape", lambda: W.Int4GroupWeight(_i4().qweight, _i4().scales, 6
 ctor(IW, "qweight_int64", lambda: W.Int4GroupWeight(_i4().qweight.long(), _i4().scales, 64, BF16), args=("qweight",))
 ctor(f"{WTS}:quantize", "unknown_recipe", lambda: W.quantize("fp4_magic", _w(), BF16), args=("recipe",))
 ctor(f"{WTS}:quantize", "recipe_none", lambda: W.quantize(None, _w(), BF16), args=("recipe",))
-ctor(f"{WTS}:check_row_cut", "cut_through_block", lambda: W.check_row_cut(3, 200, 256, 128, "128-row block"),
+ctor(f"{ROWS}:check_row_cut", "cut_through_block", lambda: W.check_row_cut(3, 200, 256, 128, "128-row block"),
      args=("rows",))
-ctor(f"{WTS}:check_row_cut", "clean_cut", lambda: W.check_row_cut(128, 256, 256, 128, "128-row block"),
+ctor(f"{ROWS}:check_row_cut", "clean_cut", lambda: W.check_row_cut(128, 256, 256, 128, "128-row block"),
      expect="accept")
 ctor(f"{WTS}:WeightFormat", "slice_rows_reversed", lambda: W.DenseWeight(_w()).slice_rows(50, 10),
      args=("start", "stop", "rows"))
@@ -497,7 +498,7 @@ add(f"{SHARD}:shard_weight", "tp4_rank3_dense", shard_case("dense", 4, 3), "acce
 
 
 def shard_bad(name, fn, args, entry="shard_weight"):
-    ctor(f"{SHARD}:{entry}", name, fn, args=args)
+    ctor(f"{ROWS if entry == 'shard_rows' else SHARD}:{entry}", name, fn, args=args)
 
 
 @functools.cache
@@ -514,11 +515,11 @@ shard_bad("heads_disagree_with_n", lambda: shard.shard_weight(_full(), 8, HEAD_R
 shard_bad("fmt_is_a_module", lambda: shard.shard_weight(_linear(), HEADS, HEAD_ROWS, 2, 0), ("fmt",))
 shard_bad("fp8_block_cut", lambda: shard.shard_weight(W.Fp8BlockWeight.from_dense(_w(n=8 * 48), BF16), 8, 48, 4, 1),
           ("tp_size", "rank", "rows"))
-add(f"{SHARD}:shard_rows", "huge_heads", lambda g: Call(lambda: shard.shard_rows(2**80, 64, 2**79, 1),
+add(f"{ROWS}:shard_rows", "huge_heads", lambda g: Call(lambda: shard.shard_rows(2**80, 64, 2**79, 1),
                                                       lambda rows: None if rows == (128, 256) else
                                                       _fail(f"rows {rows}, expected (128, 256)")),
     "either", ("num_heads", "tp_size"), timeout=QUICK)
-ctor(f"{SHARD}:shard_rows", "valid", lambda: shard.shard_rows(16, 256, 8, 7), expect="accept")
+ctor(f"{ROWS}:shard_rows", "valid", lambda: shard.shard_rows(16, 256, 8, 7), expect="accept")
 shard_bad("num_heads_zero", lambda: shard.shard_rows(0, 64, 1, 0), ("num_heads",), entry="shard_rows")
 shard_bad("head_rows_float", lambda: shard.shard_rows(4, 64.0, 1, 0), ("head_rows",), entry="shard_rows")
 

@@ -13,13 +13,13 @@ import fuzz_cases_offsets as F
 import mla_ext  # noqa: F401  (loads the compiled ops)
 
 OFFSET_ARGS = {"cu_seq_lens", "seq_starts", "workspace_starts"}
-MODULES = ("mla_ext.cache.api", "mla_ext.sparse.index_cache", "mla_ext.sparse.triton_index_cache",
+MODULES = ("mla_ext.cache.api", "mla_ext.sparse.index_cache", "mla_ext.sparse.index_cache_torch", "mla_ext.sparse.triton_index_cache",
            "mla_ext.vllm._custom_ops", "mla_ext.vllm._indexer_ops", "mla_ext.attention.latent")
 LATENT_POLICY = ("the latent gathers' documented out-of-range policy: zero rows / rows past dst dropped "
                  "(tests/fuzz/fuzz_cases_cache.py, 'either'); mla_ext.cache.api refuses them with validate=True")
 EXEMPT = {
     "mla_ext.cache.api:GatherInputs": "the dispatcher's input bundle (checked by the public gathers)",
-    "mla_ext.sparse.index_cache:check_gather_offsets": "the checker itself",
+    "mla_ext.sparse.index_cache_torch:check_gather_offsets": "the checker itself",
     "mla_ext.attention.latent:LatentInputs": "the dispatcher's input bundle of latent_context_attention",
     "mla_ext.attention.latent:latent_context_attention": (
         "no output argument to run past, and its offsets come twice (host ints, checked; the tensors, checked on "
