@@ -30,7 +30,8 @@ from mla_ext.prefill.chunking import (
 )
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.reference import mla_prefill_reference
-from helpers.prefill import BLOCK, TINY, Batch, make_weight, rel_fro
+from helpers.numeric import rel_fro
+from helpers.prefill import BLOCK, TINY, Batch, make_weight
 
 V3_JSON = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
            "v_head_dim": 128, "num_attention_heads": 16, "num_hidden_layers": 4,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from fuzz_harness import BIG, QUICK, Call, add, assert_same_bits, assert_within_one_ulp, report_rows_case
+from fuzz_harness import BIG, QUICK, Call, add, report_rows_case
 from helpers.gather import make_cache
+from helpers.numeric import assert_same_bits, assert_within_one_ulp
 from mla_ext.cache import api
 from mla_ext.cache import reference as ref
 from mla_ext.config.formats import FORMATS, QuantMode, get_format

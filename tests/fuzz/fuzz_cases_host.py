@@ -22,7 +22,8 @@ import os
 import numpy as np
 import torch
 
-from fuzz_harness import QUICK, Call, add, assert_close_rel, case_dir, report_rows_case
+from fuzz_harness import QUICK, Call, add, case_dir, report_rows_case
+from helpers.numeric import assert_close_rel
 from mla_ext import cli
 from mla_ext.config import formats, models, planner, policy
 from mla_ext.kv_b_proj import weights as W

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from fuzz_harness import QUICK, Call, add, assert_same_bits
+from fuzz_harness import QUICK, Call, add
+from helpers.numeric import assert_same_bits
 from mla_ext.cache import api as cache_api
 from mla_ext.cache import reference as ref
 from mla_ext.sparse import index_cache as ic

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from fuzz_harness import QUICK, Call, add, assert_same_bits
+from fuzz_harness import QUICK, Call, add
+from helpers.numeric import assert_same_bits
 from mla_ext.sparse import index_cache as ic
 from mla_ext.sparse.index_cache_backends import IndexGatherInputs, IndexWriteInputs
 

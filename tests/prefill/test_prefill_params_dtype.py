@@ -14,7 +14,8 @@ from mla_ext.kv_b_proj import weights as W
 from mla_ext.config.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.reference import mla_prefill_reference
-from helpers.prefill import BLOCK, TINY, Batch, rel_fro
+from helpers.numeric import rel_fro
+from helpers.prefill import BLOCK, TINY, Batch
 
 F16, F32 = torch.float16, torch.float32
 MAKERS = {

@@ -15,6 +15,7 @@ import mla_ext  # noqa: F401  (loads the compiled ops)
 from mla_ext.sparse import index_cache as ic
 from mla_ext.sparse.index_cache_backends import INDEX_GATHER, INDEX_WRITE, IndexGatherInputs, IndexWriteInputs
 from helpers.sparse_cache import paged_layout
+from helpers.numeric import same_bytes
 
 ops = torch.ops.mla_ext
 pytestmark = pytest.mark.skipif(not hasattr(ops, "index_cache_write"), reason="mla_ext built without the ops")
@@ -38,10 +39,6 @@ def _poisoned_cache(fmt, nb, B, Q, device="cpu"):
     return c.fill_(0xA5) if c.dtype == torch.uint8 else c.fill_(float("nan"))
 
 
-def _same(a, b):
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == b.dtype else False
-
-
 @pytest.mark.parametrize("fmt,Q,scale_fmt", CASES)
 @pytest.mark.parametrize("B", [1, 4, 16])
 @pytest.mark.parametrize("kdtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -55,10 +52,10 @@ def test_cpu_write_bit_identical(fmt, Q, scale_fmt, B, kdtype):
     f = ic.get_index_format(fmt)
     ic._write_torch(IndexWriteInputs(k, want, slot, f, Q, scale_fmt))
     ops.index_cache_write(k, got, slot.to(torch.int32), fmt, Q or 0, scale_fmt or "")
-    assert _same(got, want)
+    assert same_bytes(got, want)
     got64 = _poisoned_cache(fmt, nb, B, Q)
     ops.index_cache_write(k, got64, slot, fmt, 0, scale_fmt or "")  # int64 slots, Q from the cache
-    assert _same(got64, want)
+    assert same_bytes(got64, want)
 
 
 @pytest.mark.parametrize("fmt,Q,scale_fmt", CASES)
@@ -74,7 +71,7 @@ def test_cpu_gather_bit_identical(fmt, Q, scale_fmt, B):
     ic._gather_torch(IndexGatherInputs(cache, table, cu, ic.get_index_format(fmt), None, D, want))
     got = torch.full((29, D), float("nan"))
     ops.index_cache_gather(cache, got, table, cu, fmt, D)
-    assert _same(got, want)
+    assert same_bytes(got, want)
     # a chunk with seq_starts, the rows past the last request untouched
     starts = torch.tensor([2, 0, 5, 1], dtype=torch.int32)
     cu2 = torch.tensor([0, 4, 4, 14, 16], dtype=torch.int32)
@@ -82,7 +79,7 @@ def test_cpu_gather_bit_identical(fmt, Q, scale_fmt, B):
     ic._gather_torch(IndexGatherInputs(cache, table, cu2, ic.get_index_format(fmt), starts, D, want2[:16]))
     got2 = torch.full((18, D), float("nan"))
     ops.index_cache_gather(cache, got2, table, cu2, fmt, D, starts)
-    assert _same(got2, want2)
+    assert same_bytes(got2, want2)
     if fmt == "fp8":  # raw bytes and scales, as vLLM's cp_gather_indexer_k_quant_cache
         S = D // Q
         wk, ws = torch.full((29, D), 0xA5, dtype=torch.uint8), torch.full((29, 4 * S), 0xA5, dtype=torch.uint8)
@@ -177,12 +174,12 @@ def test_cuda_kernels_bit_identical_to_cpu(fmt, Q, scale_fmt, B):
     want, got = _poisoned_cache(fmt, nb, B, Q), _poisoned_cache(fmt, nb, B, Q, "cuda")
     ops.index_cache_write(k, want, slot, fmt, Q or 0, scale_fmt or "")
     ops.index_cache_write(k.cuda(), got, slot.cuda(), fmt, Q or 0, scale_fmt or "")
-    assert _same(got.cpu(), want)
+    assert same_bytes(got.cpu(), want)
     cu = torch.tensor([0, 70, 70, 103], dtype=torch.int32)
     wo, go = torch.full((105, D), float("nan")), torch.full((105, D), float("nan"), device="cuda")
     ops.index_cache_gather(want, wo, table, cu, fmt, D)
     ops.index_cache_gather(got, go, table.cuda(), cu.cuda(), fmt, D)
-    assert _same(go.cpu(), wo)
+    assert same_bytes(go.cpu(), wo)
     inp = IndexWriteInputs(k.cuda(), got, slot.cuda(), ic.get_index_format(fmt), Q, scale_fmt)
     assert INDEX_WRITE.choose(inp).name == "cuda"
     bad = torch.tensor([[0, nb + 3, -1]], dtype=torch.int32)  # out-of-range block ids: zero rows on both
@@ -190,7 +187,7 @@ def test_cuda_kernels_bit_identical_to_cpu(fmt, Q, scale_fmt, B):
     wz, gz = torch.full((3 * B, D), float("nan")), torch.full((3 * B, D), float("nan"), device="cuda")
     ops.index_cache_gather(want, wz, bad, cub, fmt, D, st)
     ops.index_cache_gather(got, gz, bad.cuda(), cub.cuda(), fmt, D, st.cuda())
-    assert _same(gz.cpu(), wz)
+    assert same_bytes(gz.cpu(), wz)
     if fmt == "fp8":  # raw bytes + scales
         S = D // Q
         wk, ws = torch.full((105, D), 7, dtype=torch.uint8), torch.full((105, 4 * S), 7, dtype=torch.uint8)
