@@ -1,5 +1,5 @@
 """The compiled DSA index-cache kernels (csrc/sparse/): the C++ CPU writer and gather are
-bit-identical to the torch reference (index_cache._write_torch / _gather_torch) on random
+bit-identical to the torch reference (index_cache_torch._write_torch / _gather_torch) on random
 inputs, every format, several block sizes, poisoned outputs, -1 and out-of-range slots and
 block ids; the layout header agrees with the Python module through the compiled
 `index_cache_format_info`; the dispatch picks the C++ CPU backend on the CPU. CUDA tests are
@@ -13,6 +13,7 @@ import torch
 
 import mla_ext  # noqa: F401  (loads the compiled ops)
 from mla_ext.sparse import index_cache as ic
+from mla_ext.sparse import index_cache_torch as ict
 from mla_ext.sparse.index_cache_backends import INDEX_GATHER, INDEX_WRITE, IndexGatherInputs, IndexWriteInputs
 from helpers.sparse_cache import paged_layout
 from helpers.numeric import same_bytes
@@ -50,7 +51,7 @@ def test_cpu_write_bit_identical(fmt, Q, scale_fmt, B, kdtype):
     k = _keys(slot.numel(), kdtype, seed=B + 7)
     want, got = _poisoned_cache(fmt, nb, B, Q), _poisoned_cache(fmt, nb, B, Q)
     f = ic.get_index_format(fmt)
-    ic._write_torch(IndexWriteInputs(k, want, slot, f, Q, scale_fmt))
+    ict._write_torch(IndexWriteInputs(k, want, slot, f, Q, scale_fmt))
     ops.index_cache_write(k, got, slot.to(torch.int32), fmt, Q or 0, scale_fmt or "")
     assert same_bytes(got, want)
     got64 = _poisoned_cache(fmt, nb, B, Q)
@@ -65,10 +66,10 @@ def test_cpu_gather_bit_identical(fmt, Q, scale_fmt, B):
     table, nb, slots = paged_layout(lens, B, seed=B + 1)
     cache = ic.get_index_format(fmt).empty(nb, B, D, Q)
     k = _keys(sum(lens), torch.float32, seed=B)
-    ic._write_torch(IndexWriteInputs(k, cache, torch.cat(slots), ic.get_index_format(fmt), Q, scale_fmt))
+    ict._write_torch(IndexWriteInputs(k, cache, torch.cat(slots), ic.get_index_format(fmt), Q, scale_fmt))
     cu = torch.tensor([0, 7, 7, 26, 29], dtype=torch.int32)
     want = torch.full((29, D), float("nan"))
-    ic._gather_torch(IndexGatherInputs(cache, table, cu, ic.get_index_format(fmt), None, D, want))
+    ict._gather_torch(IndexGatherInputs(cache, table, cu, ic.get_index_format(fmt), None, D, want))
     got = torch.full((29, D), float("nan"))
     ops.index_cache_gather(cache, got, table, cu, fmt, D)
     assert same_bytes(got, want)
@@ -76,14 +77,14 @@ def test_cpu_gather_bit_identical(fmt, Q, scale_fmt, B):
     starts = torch.tensor([2, 0, 5, 1], dtype=torch.int32)
     cu2 = torch.tensor([0, 4, 4, 14, 16], dtype=torch.int32)
     want2 = torch.full((18, D), float("nan"))
-    ic._gather_torch(IndexGatherInputs(cache, table, cu2, ic.get_index_format(fmt), starts, D, want2[:16]))
+    ict._gather_torch(IndexGatherInputs(cache, table, cu2, ic.get_index_format(fmt), starts, D, want2[:16]))
     got2 = torch.full((18, D), float("nan"))
     ops.index_cache_gather(cache, got2, table, cu2, fmt, D, starts)
     assert same_bytes(got2, want2)
     if fmt == "fp8":  # raw bytes and scales, as vLLM's cp_gather_indexer_k_quant_cache
         S = D // Q
         wk, ws = torch.full((29, D), 0xA5, dtype=torch.uint8), torch.full((29, 4 * S), 0xA5, dtype=torch.uint8)
-        ic._gather_torch(IndexGatherInputs(cache, table, cu, ic.get_index_format(fmt), None, D, wk, ws))
+        ict._gather_torch(IndexGatherInputs(cache, table, cu, ic.get_index_format(fmt), None, D, wk, ws))
         gk, gs = torch.full_like(wk, 0x5A), torch.full((29, S), float("nan"))
         ops.index_cache_gather(cache, gk, table, cu, fmt, D, None, gs)
         assert torch.equal(gk, wk) and torch.equal(gs.view(torch.uint8), ws)
@@ -210,7 +211,7 @@ def test_ue8m0_scale_one_ulp_above_a_power_of_two_rounds_up_everywhere():
     assert torch.equal(s[:, 0], p2 * 2)
     f = ic.get_index_format("fp8")
     want, got = f.empty(1, 4, D, D), f.empty(1, 4, D, D)
-    ic._write_torch(IndexWriteInputs(k, want, torch.arange(3), f, D, "ue8m0"))
+    ict._write_torch(IndexWriteInputs(k, want, torch.arange(3), f, D, "ue8m0"))
     ops.index_cache_write(k, got, torch.arange(3), "fp8", D, "ue8m0")
     tri = f.empty(1, 4, D, D)
     with INDEX_WRITE.force("triton"):  # the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
@@ -232,7 +233,7 @@ def test_cpu_range_check_refuses_exactly_what_the_torch_gather_refuses():
         starts = torch.randint(0, B + 1, (n,), generator=g, dtype=torch.int32) if trial % 2 else None
         outcome = []
         cache = torch.empty(nb, B, 4)
-        for check in (lambda: ic._token_slots(table, cu, starts, B, nb),
+        for check in (lambda: ict._token_slots(table, cu, starts, B, nb),
                       lambda: ic.check_gather_offsets(cache, table, cu, starts, B)):
             try:
                 check()
