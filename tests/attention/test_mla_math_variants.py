@@ -1,4 +1,4 @@
-"""The attention math the newer MLA families need (issue 20 item 2), against the
+"""The attention math the newer MLA families need, against the
 float64 oracle (mla_ext/prefill/reference.py) and the attention reference:
 
 - R = 0 (no rope part: glm5_next, mistral_large4's no-rope layers) through every

@@ -1,4 +1,4 @@
-"""The page-granular gathers and the vectorised writer (issue 14) against the CPU kernel.
+"""The page-granular gathers and the vectorised writer against the CPU kernel.
 
 Without a GPU the CUDA kernels' own code runs in a host emulator:
 csrc/cache/paged_gather_emulator.cpp, built here with the system C++ compiler,

@@ -1,5 +1,5 @@
-"""README's "API in model code" runs as written (issue: a user following it on
-DeepSeek-V3 got the wrong softmax scale), and its output is the model's: checked
+"""README's "API in model code" runs as written and gives DeepSeek-V3's softmax scale
+(not the bare 1/sqrt(P+R) a reader might copy), and its output is the model's: checked
 against the prefill oracle with the scale DeepSeek's own code computes."""
 import math
 import re

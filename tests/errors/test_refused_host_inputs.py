@@ -1,4 +1,4 @@
-"""Issue 11, host side: inputs found by a fuzz campaign that hung, gave silently
+"""Host-side inputs (Python API and CLI) found by fuzzing that hung, gave silently
 wrong results, or failed with a vague error (AttributeError, UnicodeDecodeError,
 RecursionError, a traceback in the CLI). Each must now be a prompt ValueError
 naming the argument and what was expected, or a documented, correct result."""

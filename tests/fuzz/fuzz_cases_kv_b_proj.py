@@ -876,7 +876,7 @@ add(TB, "rounded_to_pow2", lambda g: Call(
 ctor(TB, "M_str", lambda: linear.table_bucket("fp8_block", BF16, BF16, 512, 4096, "100"), args=("M",))
 ctor(TB, "M_negative", lambda: linear.table_bucket("fp8_block", BF16, BF16, 512, 4096, -1), args=("M",))
 
-AQ = f"{LIN}:activation_quantization"  # issue 20: explain() says when a backend quantizes activations
+AQ = f"{LIN}:activation_quantization"  # explain() says when a backend quantizes activations
 add(AQ, "w8a8_block", lambda g: Call(
     lambda: linear.activation_quantization("triton_fp8_block", BF16),
     lambda t: None if "1x128 group to e4m3" in t else _fail(t)), "accept")

@@ -1,4 +1,4 @@
-"""Fuzz cases of the raw DSA index-cache ops (csrc/sparse/, issue 21): index_cache_format_info,
+"""Fuzz cases of the raw DSA index-cache ops (csrc/sparse/): index_cache_format_info,
 index_cache_write and index_cache_gather. Valid calls are compared bit for bit with the torch
 reference (mla_ext.sparse.index_cache_torch._write_torch / _gather_torch), which also defines the
 out-of-range results (skipped slots; zero rows for the compiled gather, where the torch

@@ -1,4 +1,4 @@
-"""The W8A8 block-FP8 tolerance (issue 20, SPEC §9): scaled_mm_block and
+"""The W8A8 block-FP8 tolerance (SPEC §9): scaled_mm_block and
 triton_fp8_block quantize a 16/32-bit activation per 1x128 group to e4m3, as
 DeepSeek and vLLM do. Against a reference that applies the same quantization to
 the same weights the result is tight (SPEC §9: <= 1e-3 for the GEMM; a whole MLA

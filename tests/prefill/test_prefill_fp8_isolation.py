@@ -1,4 +1,4 @@
-"""FP8 prefill keeps requests apart (issue 20): the activation scales are per
+"""FP8 prefill keeps requests apart: the activation scales are per
 token, so a non-finite value in one request's new latents (kv_c_normed) or in its
 cached context changes no other request's output, bit for bit, on every cache
 format, for both fp8 weight formats and on both context paths. (A per-tensor amax

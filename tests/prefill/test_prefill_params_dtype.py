@@ -1,4 +1,4 @@
-"""A kv_b_proj whose params_dtype differs from the model dtype (issue 20): fp8_block
+"""A kv_b_proj whose params_dtype differs from the model dtype: fp8_block
 declared fp16, fp8 per-channel declared fp32, NVFP4 declared fp16 in a bf16 model,
 beside the formats that always worked that way (dense, Marlin, int4). MLAPrefill
 reconciles at construction (the activations are cast to the linear's params

@@ -70,7 +70,7 @@ def test_builtin_sparse_models_are_sparse(name):
 
     cfg = SparseConfig.from_config(get_model_config(name))
     if cfg is None:
-        pytest.skip(f"the config reader gives {name} no SparseConfig yet (issue 26's config side)")
+        pytest.skip(f"the config reader gives {name} no SparseConfig yet")
     layer = sparse_layer(f"builtin:{name}", workspace_rows_override=4096)
     assert layer.sparse.index_topk == cfg.index_topk == 2048
     m = layer.model
