@@ -491,7 +491,7 @@ def _cp_gather(**kw):
 
 @pytest.mark.parametrize("call, match", [
     (lambda: load_hf_config(123), "path: expected a path to config.json"),
-    (lambda: __import__("mla_ext.config.models").models.config_from_dict([1], "x"),
+    (lambda: __import__("mla_ext.config.models").config.models.config_from_dict([1], "x"),
      "model config x: expected a JSON object"),
     (lambda: kv_b_proj_input_dtype(type("Layer", (), {"weight": 5})(), False),
      r"kv_b_proj layer Layer: `.weight` must be a tensor"),
