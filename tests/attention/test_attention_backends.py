@@ -25,6 +25,7 @@ from mla_ext.attention import torch_backends as tb
 from mla_ext.attention.api import AttentionInputs
 from mla_ext.attention.reference import varlen_attention_ref
 from mla_ext.attention.scratch import AttentionScratch
+from helpers.numeric import rel_fro
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -38,11 +39,6 @@ CASES = [
     ([12, 4], [5, 0], True),
     ([6, 9], [0, 0], False),
 ]
-
-
-def rel_frob(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def cu(lens, device="cpu"):
@@ -77,7 +73,7 @@ def check(o, lse, ref_o, ref_lse, dtype):
         assert (lse[fin] - ref_lse[fin].float()).abs().max() <= atol
     assert (o.transpose(0, 1)[~fin] == 0).all(), "rows with no key must be 0"
     if ref_o.abs().sum() > 0:
-        assert rel_frob(o, ref_o) <= TOL[dtype]
+        assert rel_fro(o, ref_o) <= TOL[dtype]
 
 
 def run(backend, q, k, v, q_lens, k_lens, causal, scale, **kw):

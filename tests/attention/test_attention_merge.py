@@ -14,14 +14,10 @@ from hypothesis import given, settings, strategies as st
 from mla_ext import _ext
 from mla_ext.attention import MERGE, merge_attn_states
 from mla_ext.attention.reference import merge_attn_states_ref
+from helpers.numeric import rel_fro
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 GUARD = 1234.5
-
-
-def rel_frob(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def make_inputs(t, n, d, dtype, device="cpu", seed=0, edges=True):
@@ -67,7 +63,7 @@ def check_against_ref(o, lse, o1, lse1, o2, lse2, dtype):
     assert not torch.isposinf(lse).any()
     fin = torch.isfinite(ref_lse)
     assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
-    assert rel_frob(o, ref_o) <= TOL[dtype]
+    assert rel_fro(o, ref_o) <= TOL[dtype]
     # Both sides empty: exactly zero.
     empty = (~fin).transpose(0, 1)
     assert (o[empty] == 0).all()
@@ -133,7 +129,7 @@ def test_merge_in_place_and_without_out_lse(backend):
     a, la = o1.clone(), lse1.clone()
     with MERGE.force(backend):
         merge_attn_states(a, la, o2, lse2, out=a, out_lse=la)
-    assert rel_frob(a, ref_o) <= 1e-5
+    assert rel_fro(a, ref_o) <= 1e-5
     fin = torch.isfinite(ref_lse)
     assert torch.equal(fin, torch.isfinite(la))
     assert torch.allclose(la[fin], ref_lse[fin].float(), atol=1e-5)
@@ -141,7 +137,7 @@ def test_merge_in_place_and_without_out_lse(backend):
     if backend == "cpu":
         out = torch.full_like(o1, float("nan"))
         _ext.ops().merge_attn_states(out, None, o1, lse1, o2, lse2)
-        assert rel_frob(out, ref_o) <= 1e-5
+        assert rel_fro(out, ref_o) <= 1e-5
 
 
 @settings(max_examples=25, deadline=None)

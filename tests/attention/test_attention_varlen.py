@@ -16,7 +16,8 @@ from hypothesis import given, settings, strategies as st
 from mla_ext.attention import ATTENTION, varlen_attention
 from mla_ext.attention.reference import varlen_attention_ref
 from mla_ext.attention.triton_attention import varlen_attention_triton
-from test_attention_backends import TOL, cu, rel_frob  # noqa: F401 (shared helpers)
+from helpers.numeric import rel_fro
+from test_attention_backends import TOL, cu  # noqa: F401 (shared helpers)
 
 
 def make_qkv(q_lens, k_lens, n, dqk, dv, dtype, device="cpu", seed=0, strided=False):
@@ -44,7 +45,7 @@ def check(o, lse, ref_o, ref_lse, dtype):
     fin = torch.isfinite(ref_lse)
     assert torch.allclose(lse[fin], ref_lse[fin].float(), atol=2e-3 if dtype != torch.float32 else 1e-4)
     assert (o.transpose(0, 1)[~fin] == 0).all(), "rows with no key must be 0"
-    assert rel_frob(o, ref_o) <= TOL[dtype]
+    assert rel_fro(o, ref_o) <= TOL[dtype]
 
 
 def test_reference_matches_sdpa():
@@ -163,7 +164,7 @@ def test_chunked_keys_merge_to_full_attention():
     o1, l1 = varlen_attention(q, k[idx1], v[idx1], cu(q_lens), cu([32, 16]), 11, 32, 0.3, causal=False)
     o2, l2 = varlen_attention(q, k[idx2], v[idx2], cu(q_lens), cu([18, 7]), 11, 18, 0.3, causal=False)
     o, lse = merge_attn_states(o1, l1, o2, l2)
-    assert rel_frob(o, full_o) < 1e-5 and torch.allclose(lse, full_lse, atol=1e-5)
+    assert rel_fro(o, full_o) < 1e-5 and torch.allclose(lse, full_lse, atol=1e-5)
 
 
 def test_attention_errors_name_the_argument():

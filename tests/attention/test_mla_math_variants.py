@@ -1,4 +1,4 @@
-"""The attention math the newer MLA families need (issue 20 item 2), against the
+"""The attention math the newer MLA families need, against the
 float64 oracle (mla_ext/prefill/reference.py) and the attention reference:
 
 - R = 0 (no rope part: glm5_next, mistral_large4's no-rope layers) through every
@@ -24,15 +24,11 @@ from mla_ext.config.policy import CacheConfig, resolve_layer
 from mla_ext.prefill.layer import MLAPrefill
 from mla_ext.prefill.reference import mla_prefill_reference
 from mla_ext.prefill.synthetic import SyntheticBatch
+from helpers.numeric import rel_fro
 
 BLOCK = 16
 CTX, QL = [40, 0, 9], [3, 2, 1]
 BACKENDS = ["torch", "triton", "flex_attention"]
-
-
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def _model(L=64, R=16, heads=2, **kw) -> MLAModelConfig:
@@ -57,7 +53,7 @@ def _prefill_vs_oracle(model, fmt, backend, path, sinks=None, rows=32, seed=0, l
     ref = mla_prefill_reference(b.q, b.kv_c_new, b.k_pe_new, *held, b.q_lens, w, m.P, m.V,
                                 pf.softmax_scale, sinks=sinks)
     assert out.shape == ref.shape and torch.isfinite(out).all()
-    return _rel(out, ref), pf
+    return rel_fro(out, ref), pf
 
 
 # -- R = 0 -------------------------------------------------------------------
@@ -151,7 +147,7 @@ def _rel_between_oracles(sinks) -> float:
     ctx = ([torch.randn(30, 64, generator=gen)], [torch.randn(30, 16, generator=gen)])
     a = mla_prefill_reference(q, kv, pe, *ctx, [4], w, 16, 16, 0.25)
     b = mla_prefill_reference(q, kv, pe, *ctx, [4], w, 16, 16, 0.25, sinks=sinks)
-    return _rel(b, a)
+    return rel_fro(b, a)
 
 
 def test_sinks_are_checked_at_construction():

@@ -1,4 +1,4 @@
-"""Which binary of the library a GPU runs, decided from the binaries in it (issue 19 item 1).
+"""Which binary of the library a GPU runs, decided from the binaries in it.
 
 No device needed: the fatbin entries and the device capability are given, the way
 `_fatbin.entries()` and `torch.cuda.get_device_capability()` would report them.

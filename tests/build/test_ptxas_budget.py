@@ -61,10 +61,9 @@ WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 # Spills allowed as a ratchet: kernel -> (bytes, why), each may spill at most the
 # bytes (max of stored, loaded) recorded, on any arch and config compiled here; more
-# fails, and so does an entry whose kernel no longer spills. Empty since issue 19:
-# the budget is zero spills for every CUDA and Triton kernel (the attention forward
-# and the block-FP8 GEMM, once listed here, spill nothing when compiled as their
-# launches compile them).
+# fails, and so does an entry whose kernel no longer spills. Empty: the budget is zero
+# spills for every CUDA and Triton kernel (the attention forward and the block-FP8 GEMM,
+# once listed here, spill nothing when compiled as their launches compile them).
 SPILL_EXEMPT: dict[str, tuple[int, str]] = {}
 
 

@@ -1,4 +1,4 @@
-"""No compile while serving (issue 19 item 3): every Triton kernel, launched by its
+"""No compile while serving: every Triton kernel, launched by its
 wrapper for batches of several sizes (tokens, requests, table widths, rows, M), needs
 ONE compiled variant per launch config on sm_90: the integer arguments that change
 with the batch are `do_not_specialize` (Triton would otherwise compile a new variant

@@ -13,6 +13,7 @@ import torch
 
 from mla_ext import _ext
 from mla_ext.cache import api
+from helpers.numeric import assert_same_bits
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="mla_ext._C is not built")
 
@@ -36,21 +37,12 @@ def _gather_all_bytes(fmt, dtype, scale, device):
     return dst[0].cpu()
 
 
-def _same(a, b):
-    nan = a.isnan()
-    assert torch.equal(nan, b.isnan())
-    assert torch.equal(a.masked_fill(nan, 0).view(torch.uint8) if a.dtype != torch.float32 else
-                       a.masked_fill(nan, 0).view(torch.int32),
-                       b.masked_fill(nan, 0).view(torch.uint8) if b.dtype != torch.float32 else
-                       b.masked_fill(nan, 0).view(torch.int32))
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
 def test_decode_all_bytes(device, fmt):
     got = _gather_all_bytes(fmt, torch.float32, 1.0, device)
     want = torch.arange(256, dtype=torch.uint8).view(FP8[fmt]).float()
-    _same(got, want)
+    assert_same_bits(got, want, "decoded bytes")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -60,7 +52,7 @@ def test_decode_all_bytes(device, fmt):
 def test_dequant_rounding_to_16_bit(device, fmt, dtype, scale):
     got = _gather_all_bytes(fmt, dtype, scale, device)
     want = (torch.arange(256, dtype=torch.uint8).view(FP8[fmt]).float() * torch.tensor(scale)).to(dtype)
-    _same(got, want)
+    assert_same_bits(got, want, "dequantized bytes")
 
 
 def _encode_inputs(fmt):

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from mla_ext import _ext
 from mla_ext.cache import api, reference as ref
 from mla_ext.config.formats import get_format
-from helpers.gather import make_batch, make_cache, poisoned_dst, same_bits
+from helpers.gather import make_batch, make_cache, poisoned_dst
+from helpers.numeric import same_bits
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="mla_ext._C is not built")
 

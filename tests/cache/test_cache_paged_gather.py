@@ -1,4 +1,4 @@
-"""The page-granular gathers and the vectorised writer (issue 14) against the CPU kernel.
+"""The page-granular gathers and the vectorised writer against the CPU kernel.
 
 Without a GPU the CUDA kernels' own code runs in a host emulator:
 csrc/cache/paged_gather_emulator.cpp, built here with the system C++ compiler,
@@ -42,7 +42,8 @@ from mla_ext import _ext
 from mla_ext.cache import api, reference as ref
 from mla_ext.cache import triton_gather as tg
 from mla_ext.config.formats import get_format
-from helpers.gather import POISON_BYTE, make_batch, make_cache, poisoned_dst, same_bits, strided_copy
+from helpers.gather import POISON_BYTE, make_batch, make_cache, poisoned_dst, strided_copy
+from helpers.numeric import same_bits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_ext = pytest.mark.skipif(not _ext.available(), reason="mla_ext._C is not built")

@@ -18,12 +18,10 @@ from hypothesis import strategies as st
 
 from mla_ext.cache import reference as ref
 from mla_ext.cache import triton_gather as tg
-from helpers.gather import make_batch, make_cache, poisoned_dst, same_bits, strided_copy
+from helpers.gather import make_batch, make_cache, poisoned_dst, strided_copy
+from helpers.numeric import assert_same_bits, assert_within_one_ulp, same_bits
 
 pytestmark = pytest.mark.skipif(tg.triton is None, reason="triton is not installed")
-
-ULP_RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-
 
 def _run_ref(cache, dst, bt, cu, n, fmt, ks, starts):
     if dst.dtype == cache.dtype:
@@ -33,13 +31,8 @@ def _run_ref(cache, dst, bt, cu, n, fmt, ks, starts):
 
 
 def _assert_matches(got: torch.Tensor, want: torch.Tensor, exact: bool):
-    if exact or got.dtype not in ULP_RTOL:
-        assert same_bits(got, want), (got.float() - want.float()).nan_to_num(0).abs().max()
-        return
-    assert not torch.isnan(got).any() or torch.equal(got.isnan(), want.isnan())
-    # One ulp: the interpreter truncates where the reference rounds to nearest.
-    assert torch.allclose(got.float(), want.float(), rtol=ULP_RTOL[got.dtype],
-                          atol=2.0**-24, equal_nan=True)
+    # Not exact: one ulp, the interpreter truncates where the reference rounds to nearest.
+    (assert_same_bits if exact else assert_within_one_ulp)(got, want, "gathered rows")
 
 
 def _check_case(device, fmt, model_dtype, dst_dtype, B, num_blocks, max_blocks, num_reqs,

@@ -1,5 +1,5 @@
 """Triton cache writer and KV-scale kernel (mla_ext/cache/triton_write.py): the same
-bytes as the CPU writer in every cache format (issue 19 item 2).
+bytes as the CPU writer in every cache format.
 
 Runs under the Triton interpreter on the CPU (conftest sets TRITON_INTERPRET). The
 kernel encodes fp8/e2m1 with integer operations, so the interpreter's wrong

@@ -11,6 +11,7 @@ import torch
 
 from mla_ext.cache import checks
 from mla_ext.sparse import index_cache as ic
+from mla_ext.sparse import index_cache_torch as ict
 from mla_ext.vllm import _custom_ops as vops
 
 I32 = torch.int32
@@ -68,7 +69,7 @@ def test_index_gather_valid_offsets_still_match_the_reference(path):
     out = torch.full((9, D), float("nan"))
     _index_calls()[path](cache, cu, st, out)
     want = torch.empty(9, D)
-    ic._gather_torch(_ref_inputs(cache, cu, st, want))
+    ict._gather_torch(_ref_inputs(cache, cu, st, want))
     assert torch.equal(out, want)
 
 

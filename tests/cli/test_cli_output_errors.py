@@ -1,4 +1,4 @@
-"""The CLI ends with one line, never a traceback (issue 20): on a closed pipe
+"""The CLI ends with one line, never a traceback: on a closed pipe
 (`plan ... | true`), a full disk (`> /dev/full`), and on an out-of-range number,
 which argparse names by flag before the command prints anything."""
 import os

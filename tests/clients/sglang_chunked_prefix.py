@@ -53,11 +53,12 @@ import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: clients.sglang_cases
+sys.path.insert(0, str(HERE.parent))  # tests/: clients.sglang_cases, helpers.numeric
 os.environ.setdefault("SGLANG_PLUGINS", "mla_ext")  # SGLang's allow-list: only mla_ext, and it asks for it
 
 import torch  # noqa: E402
 import transformers.image_utils  # noqa: E402,F401  (decides "no torchvision" before the entries below)
+from helpers.numeric import rel_fro  # noqa: E402
 
 
 class _Absent(types.ModuleType):
@@ -192,11 +193,6 @@ def ragged_stand_in_class():
             return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     return RaggedStandIn
-
-
-def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 class Case:

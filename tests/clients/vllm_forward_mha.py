@@ -40,7 +40,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_PLUGINS", "mla_ext")  # only mla_ext's general plugin
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: helpers.prefill
+sys.path.insert(0, str(HERE.parent))  # tests/: clients.vllm_cases, helpers.numeric
 
 import torch  # noqa: E402
 
@@ -89,6 +89,7 @@ from mla_ext.prefill.synthetic import SyntheticBatch  # noqa: E402
 from mla_ext.vllm import plugin  # noqa: E402
 
 from clients.vllm_cases import BATCHES, CONTEXT_CASES  # noqa: E402
+from helpers.numeric import rel_fro  # noqa: E402
 from mla_ext.vllm.absorbed_context import CONTEXT_ENV  # noqa: E402
 
 BLOCK = 16
@@ -105,11 +106,6 @@ def setup_vllm(tmp: str) -> VllmConfig:
     with set_current_vllm_config(config):
         parallel_state.initialize_model_parallel(1, 1)
     return config
-
-
-def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def vllm_cache_view(cache: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Config spellings of every transformers MLA family (issue 20 item 3), each
+"""Config spellings of every transformers MLA family, each
 checked against transformers' own attention module: the softmax scale mla_ext
 derives from `config.to_dict()` must be the module's `scaling`, per layer.
 

@@ -1,4 +1,4 @@
-"""Vague errors of issue 20 made clear, each naming the argument as the caller
+"""Errors that were vague, now naming the argument as the caller
 wrote it: explain_context given a string, a transformers module whose
 kv_lora_rank attribute disagrees with its config, vLLM's concat / gather with
 scale=None, and vLLM merge errors that named the native arguments (o1, o2, out)."""

@@ -1,5 +1,5 @@
-"""Issue 11 (hardening), kernel / raw-op half: findings of a fuzz campaign and a
-static review, one test (or a few) per finding.
+"""Raw ops and kernels refuse or survive out-of-range inputs found by fuzzing and by a
+static review, one test (or a few) per input.
 
 - 64-bit row sizes: rows of >= 2^31 bytes or elements (cp_gather, fp8 gather,
   compute_kv_scale) used to wrap an int32 size (SIGSEGV, or a 1e-12 scale),

@@ -1,4 +1,4 @@
-"""Issue 11, host side: inputs found by a fuzz campaign that hung, gave silently
+"""Host-side inputs (Python API and CLI) found by fuzzing that hung, gave silently
 wrong results, or failed with a vague error (AttributeError, UnicodeDecodeError,
 RecursionError, a traceback in the CLI). Each must now be a prompt ValueError
 naming the argument and what was expected, or a documented, correct result."""
@@ -30,7 +30,8 @@ from mla_ext.prefill.chunking import (
 )
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.reference import mla_prefill_reference
-from helpers.prefill import BLOCK, TINY, Batch, make_weight, rel_fro
+from helpers.numeric import rel_fro
+from helpers.prefill import BLOCK, TINY, Batch, make_weight
 
 V3_JSON = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
            "v_head_dim": 128, "num_attention_heads": 16, "num_hidden_layers": 4,
@@ -490,7 +491,7 @@ def _cp_gather(**kw):
 
 @pytest.mark.parametrize("call, match", [
     (lambda: load_hf_config(123), "path: expected a path to config.json"),
-    (lambda: __import__("mla_ext.config.models").models.config_from_dict([1], "x"),
+    (lambda: __import__("mla_ext.config.models").config.models.config_from_dict([1], "x"),
      "model config x: expected a JSON object"),
     (lambda: kv_b_proj_input_dtype(type("Layer", (), {"weight": 5})(), False),
      r"kv_b_proj layer Layer: `.weight` must be a tensor"),

@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from fuzz_harness import QUICK, Call, add, assert_close_rel, report_rows_case
+from fuzz_harness import QUICK, Call, add, report_rows_case
+from helpers.numeric import assert_close_rel
 from mla_ext.attention import api
 from mla_ext.attention import reference as ref
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from fuzz_harness import BIG, QUICK, Call, add, assert_same_bits, assert_within_one_ulp, report_rows_case
+from fuzz_harness import BIG, QUICK, Call, add, report_rows_case
 from helpers.gather import make_cache
+from helpers.numeric import assert_same_bits, assert_within_one_ulp
 from mla_ext.cache import api
 from mla_ext.cache import reference as ref
 from mla_ext.config.formats import FORMATS, QuantMode, get_format
@@ -311,7 +312,7 @@ def _gather_cases(entry: str, via: str, raw: bool) -> None:
           mutate=lambda g, a: a["k_scale"].fill_(float("nan")))
         G("k_scale_nan_ignored_by_ds_mla", "either", ("k_scale",), fmt="fp8_ds_mla",
           mutate=lambda g, a: a["k_scale"].fill_(float("nan")))
-    if not raw and api_only:  # issue 20: None where the format ignores the value (the op takes a tensor;
+    if not raw and api_only:  # None where the format ignores the value (the op takes a tensor;
         # the raw op's schema refuses None itself, before any check of ours)
         G("k_scale_none_ds_mla", "reject", ("k_scale",), fmt="fp8_ds_mla",
           mutate=lambda g, a: a.update(k_scale=None))
@@ -564,7 +565,7 @@ def _write_cases(entry: str, via: str) -> None:
     W("k_scale_two_elements", "reject", ("k_scale",),
       lambda g, a: a.update(k_scale=g.put(torch.tensor([0.5, 0.5]), "ks2")))
     W("k_scale_int", "reject", ("k_scale",), lambda g, a: a.update(k_scale=a["k_scale"].int()))
-    for _fmt in ("fp8_ds_mla", "auto") if api_only else ():  # issue 20: formats that ignore the value still
+    for _fmt in ("fp8_ds_mla", "auto") if api_only else ():  # formats that ignore the value still
         # take a tensor (the raw op's schema refuses None itself)
         W(f"k_scale_none_{_fmt}", "reject", ("k_scale",), fmt=_fmt, mutate=lambda g, a: a.update(k_scale=None))
     W("unknown_format", "reject", ("kv_cache_dtype",), lambda g, a: a.update(kv_cache_dtype="int8"))

@@ -22,7 +22,8 @@ import os
 import numpy as np
 import torch
 
-from fuzz_harness import QUICK, Call, add, assert_close_rel, case_dir, report_rows_case
+from fuzz_harness import QUICK, Call, add, case_dir, report_rows_case
+from helpers.numeric import assert_close_rel
 from mla_ext import cli
 from mla_ext.config import formats, models, planner, policy
 from mla_ext.kv_b_proj import weights as W
@@ -284,7 +285,7 @@ method("compute_kv_scale_valid", lambda l, g: l.compute_kv_scale(torch.ones(2, T
                                                                   torch.ones(2, TINY.R, dtype=BF16)), "accept")
 method("explain_valid", lambda l, g: l.explain(), "accept", check=that(lambda t: "layer 1" in t, lambda t: t))
 method("explain_device_garbage", lambda l, g: l.explain("tpu9"), args=("device",))
-method("explain_context_str", lambda l, g: l.explain_context("meta"), args=("metadata",))  # issue 20
+method("explain_context_str", lambda l, g: l.explain_context("meta"), args=("metadata",))  # a string, not metadata
 method("explain_context_none", lambda l, g: l.explain_context(None), args=("metadata",))
 
 
@@ -903,7 +904,7 @@ cli_case("demo_unknown_flag", ["demo", "--bogus"], args=("--bogus",))
 cli_case("demo_check_queries_word", ["demo", "--check-queries", "abc"], args=("--check-queries",))
 cli_case("demo_check_queries_zero", ["demo", "--check-queries", "0"], args=("--check-queries",))
 cli_case("demo_progress_typo", ["demo", "--progress", "maybe"], args=("--progress",))
-# issue 20: out-of-range numbers are usage errors naming the flag (before any output)
+# out-of-range numbers are usage errors naming the flag (before any output)
 cli_case("demo_seed_1e23", ["demo", "--seed", str(10**23)], args=("--seed",))
 cli_case("demo_seed_negative", ["demo", "--seed", "-1"], args=("--seed",))
 cli_case("block_size_1e23", ["plan", "--memory", "1GiB", "--block-size", str(10**23)], args=("--block-size",))
@@ -946,7 +947,7 @@ simple(f"{CLI}:build_parser", "help_text", lambda: cli.build_parser().format_hel
 
 
 # ---------------------------------------------------------------------------
-# kv_b_proj warm-up rows (issue 19: KvBProj.prepare compiles every M bucket)
+# kv_b_proj warm-up rows (KvBProj.prepare compiles every M bucket)
 # ---------------------------------------------------------------------------
 
 from mla_ext.kv_b_proj.linear import warm_rows  # noqa: E402

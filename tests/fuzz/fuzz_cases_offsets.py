@@ -23,10 +23,12 @@ from typing import Any, Callable
 
 import torch
 
-from fuzz_harness import QUICK, Call, add, assert_same_bits
+from fuzz_harness import QUICK, Call, add
+from helpers.numeric import assert_same_bits
 from mla_ext.cache import api as cache_api
 from mla_ext.cache import reference as ref
 from mla_ext.sparse import index_cache as ic
+from mla_ext.sparse import index_cache_torch as ict
 from mla_ext.config.formats import QuantMode, get_format
 from mla_ext.sparse.index_cache_backends import IndexGatherInputs, IndexWriteInputs
 
@@ -57,7 +59,7 @@ def _index_cache(fmt: str) -> torch.Tensor:
     q = Q if f.quantized else None
     cache = f.empty(NB, B, D, q)
     k = torch.randn(NB * B, D, generator=torch.Generator().manual_seed(5)) * 3
-    ic._write_torch(IndexWriteInputs(k, cache, torch.arange(NB * B), f, q, None))
+    ict._write_torch(IndexWriteInputs(k, cache, torch.arange(NB * B), f, q, None))
     return cache
 
 
@@ -66,7 +68,7 @@ def _index_want(cache, fmt, starts, raw=False) -> dict:
         out, scale = torch.zeros(ROWS, D, dtype=torch.uint8), torch.zeros(ROWS, 4 * (D // Q), dtype=torch.uint8)
     else:
         out, scale = torch.zeros(ROWS, D), None
-    ic._gather_torch(IndexGatherInputs(cache, _i32(TABLE), _i32(CU), ic.get_index_format(fmt),
+    ict._gather_torch(IndexGatherInputs(cache, _i32(TABLE), _i32(CU), ic.get_index_format(fmt),
                                        None if starts is None else _i32(starts), D, out, scale))
     return {"out": out, "scale": scale}
 

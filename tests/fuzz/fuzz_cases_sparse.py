@@ -1,14 +1,16 @@
-"""Fuzz cases of the raw DSA index-cache ops (csrc/sparse/, issue 21): index_cache_format_info,
+"""Fuzz cases of the raw DSA index-cache ops (csrc/sparse/): index_cache_format_info,
 index_cache_write and index_cache_gather. Valid calls are compared bit for bit with the torch
-reference (mla_ext.sparse.index_cache._write_torch / _gather_torch), which also defines the
+reference (mla_ext.sparse.index_cache_torch._write_torch / _gather_torch), which also defines the
 out-of-range results (skipped slots; zero rows for the compiled gather, where the torch
 gather refuses); every tensor sits in a guarded buffer (nothing written outside it)."""
 from __future__ import annotations
 
 import torch
 
-from fuzz_harness import QUICK, Call, add, assert_same_bits
+from fuzz_harness import QUICK, Call, add
+from helpers.numeric import assert_same_bits
 from mla_ext.sparse import index_cache as ic
+from mla_ext.sparse import index_cache_torch as ict
 from mla_ext.sparse.index_cache_backends import IndexGatherInputs, IndexWriteInputs
 
 OP_INFO = "torch.ops.mla_ext.index_cache_format_info"
@@ -55,7 +57,7 @@ def _write_setup(g, fmt="fp8", Q=8, scale_fmt="ue8m0", slots=(0, 5, -1, 11, 99),
     k = (torch.randn(len(slots), D, generator=gen) * 3).to(kdtype)
     slot = torch.tensor(slots, dtype=torch.int64)
     want = _cache(fmt, Q)
-    ic._write_torch(IndexWriteInputs(k, want, slot, ic.get_index_format(fmt), Q, scale_fmt))
+    ict._write_torch(IndexWriteInputs(k, want, slot, ic.get_index_format(fmt), Q, scale_fmt))
     return (g.put(k, "k"), g.put(_cache(fmt, Q), "cache", writable=True), g.put(slot, "slot_mapping"),
             fmt, Q, scale_fmt or ""), want
 
@@ -93,7 +95,7 @@ _write_case("cache_overlaps_k", "reject", ("cache", "k"),
 def _gather_setup(g, fmt="fp8", Q=8, raw=False, table=((2, 0), (1, 7)), cu=(0, 6, 11), starts=None):
     gen = torch.Generator().manual_seed(3)
     cache = _cache(fmt, Q)
-    ic._write_torch(IndexWriteInputs(torch.randn(NB * B, D, generator=gen), cache, torch.arange(NB * B),
+    ict._write_torch(IndexWriteInputs(torch.randn(NB * B, D, generator=gen), cache, torch.arange(NB * B),
                                      ic.get_index_format(fmt), Q, None))
     bt, cul = torch.tensor(table, dtype=I32), torch.tensor(cu, dtype=I32)
     st = None if starts is None else torch.tensor(starts, dtype=I32)
@@ -113,7 +115,7 @@ def _gather_setup(g, fmt="fp8", Q=8, raw=False, table=((2, 0), (1, 7)), cu=(0, 6
                 inp = IndexGatherInputs(cache, one, torch.tensor([0, 1], dtype=I32), ic.get_index_format(fmt),
                                         torch.tensor([tok % B], dtype=I32), D, want_dst[i:i + 1],
                                         None if scale is None else want_scale[i:i + 1])
-                ic._gather_torch(inp)
+                ict._gather_torch(inp)
     args = [g.put(cache, "cache"), g.put(dst, "dst", writable=True), g.put(bt, "block_table"),
             g.put(cul, "cu_seq_lens"), fmt, D, None if st is None else g.put(st, "seq_starts"),
             None if scale is None else g.put(scale, "dst_scale", writable=True)]

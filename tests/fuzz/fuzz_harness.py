@@ -46,7 +46,6 @@ from typing import Any, Callable
 
 import torch
 
-from helpers.gather import same_bits
 
 OUTCOMES = ("OK-accepted", "OK-rejected", "VAGUE", "WRONG", "CRASH", "HANG", "ERROR")
 OK = ("OK-accepted", "OK-rejected")
@@ -551,56 +550,8 @@ def format_tally(results: list[Result]) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Checks shared by the cases
+# A case builder shared by the case files (the result checks: helpers.numeric)
 # ---------------------------------------------------------------------------
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    if same_bits(got, want):
-        return
-    if got.shape != want.shape or got.dtype != want.dtype:
-        raise AssertionError(f"{what}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}")
-    g, w = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-    bad = (g != w).reshape(got.shape[0], -1).any(1).nonzero().reshape(-1) if got.dim() else torch.tensor([0])
-    raise AssertionError(f"{what}: {bad.numel()} rows differ from the reference, the first is row "
-                         f"{int(bad[0]) if bad.numel() else '?'}")
-
-
-ULP_RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-
-
-def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Bit-exact, except 16-bit values may differ by one ulp (the Triton interpreter
-    truncates fp32 -> bf16/fp16 stores where the reference rounds to nearest)."""
-    if same_bits(got, want) or got.dtype not in ULP_RTOL:
-        assert_same_bits(got, want, what)
-        return
-    g, w = got.float(), want.float()
-    if not torch.equal(g.isnan(), w.isnan()) or not torch.allclose(
-            g, w, rtol=ULP_RTOL[got.dtype], atol=2.0**-24, equal_nan=True):
-        raise AssertionError(f"{what}: differs from the reference by more than one ulp "
-                             f"(max |diff| {float((g - w).nan_to_num(0).abs().max()):.3g})")
-
-
-# SPEC §9: relative Frobenius error by compute dtype (fp32: what float32 rounding allows).
-REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
-
-
-def assert_close_rel(got: torch.Tensor, want: torch.Tensor, what: str, tol: float | None = None) -> None:
-    if tuple(got.shape) != tuple(want.shape):
-        raise AssertionError(f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}")
-    if bool(torch.isnan(got).any()):
-        raise AssertionError(f"{what}: NaN in the result (SPEC §9: NaN anywhere fails)")
-    tol = REL_TOL.get(got.dtype, 1e-5) if tol is None else tol
-    g, w = got.double(), want.double()
-    finite = torch.isfinite(w)
-    if not torch.equal(finite, torch.isfinite(g)) or not torch.equal(g[~finite], w[~finite]):
-        raise AssertionError(f"{what}: infinities differ from the reference")
-    g, w = g[finite], w[finite]
-    norm = float(w.norm())
-    err = float((g - w).norm())
-    if err > tol * max(norm, 1e-30) and err > 1e-30:
-        raise AssertionError(f"{what}: relative error {err / max(norm, 1e-30):.3g} > {tol:g}")
-
 
 def report_rows_case(report: Callable, *args) -> Callable[["Guard"], Call]:
     """A case calling a `backend_report`-style function: rows of (op, backend, [reasons])."""

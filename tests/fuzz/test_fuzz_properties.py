@@ -20,7 +20,7 @@ import fuzz_cases_attention as fa
 import fuzz_cases_cache as fc
 import fuzz_cases_kv_b_proj as fk
 import fuzz_cases_host as fh
-from fuzz_harness import Call, assert_close_rel, run_one
+from fuzz_harness import Call, run_one
 from mla_ext.compat import cpu_rowwise_scaled_mm_reasons
 from mla_ext.config.formats import ScaleKind, get_format
 from mla_ext.prefill import chunking

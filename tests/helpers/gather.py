@@ -90,16 +90,3 @@ def poisoned_dst(rows: int, width: int, dtype, guard: int = 3, pad_cols: int = 0
     else:
         buf.fill_(0xFF)
     return buf[guard: guard + rows, :width], buf
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (so -0.0 != 0.0), except that any NaN matches any NaN."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a, b = a.contiguous(), b.contiguous()
-    if a.dtype.is_floating_point:
-        nan = a.isnan()
-        if not torch.equal(nan, b.isnan()):
-            return False
-        a, b = a.masked_fill(nan, 0), b.masked_fill(nan, 0)
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -19,11 +19,6 @@ TINY = MLAModelConfig(
 BLOCK = 16
 
 
-def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def make_weight(kind: str, w: torch.Tensor) -> W.WeightFormat:
     dt = torch.bfloat16
     if kind == "dense":

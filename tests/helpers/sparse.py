@@ -128,8 +128,3 @@ def tie_equivalent(selected: torch.Tensor, theirs: torch.Tensor, scores: torch.T
         if any(abs(float(row[i]) - kth) > tol for i in a ^ b):
             bad.append(t)
     return bad
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.to(torch.float64), b.to(torch.float64)
-    return float((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-300))

@@ -1,5 +1,5 @@
 """Every MLA family transformers ships, through `TransformersMLA`, against the
-family's own attention module (issue 20): tiny random-weight layers built from
+family's own attention module: tiny random-weight layers built from
 transformers' own config and attention classes (mla_ext/integrations/
 transformers_random.py), prefill with context (three requests: one without
 context, contexts longer than the 32-row workspace, so chunked) against the

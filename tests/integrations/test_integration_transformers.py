@@ -16,8 +16,8 @@ quantized cache the module attends to the context latents the cache holds (decod
 by the cache reference).
 
 Bounds (relative Frobenius):
-- fp32: everything within 1e-5 (measured 1.5e-7 to 6.8e-7; up to 1.0e-6 in issue 20's
-  wider campaign);
+- fp32: everything within 1e-5 (measured 1.5e-7 to 6.8e-7; up to 1.0e-6 in a wider
+  sweep);
 - bf16, SPEC §9: within 1e-2 of the float64 reference (mla_ext.prefill.reference) fed
   exactly what mla_ext was given (measured 2.7e-3 to 5.2e-3);
 - bf16 end to end, where the module's own bf16 projections add error: within 2e-2 of

@@ -10,14 +10,11 @@ from mla_ext.kv_b_proj import reference as ref
 from mla_ext.kv_b_proj import weights as W
 from mla_ext.kv_b_proj.triton_fp8_block import fp8_block_linear, w8a8_block_fp8_matmul
 from mla_ext.kv_b_proj.triton_w4a16 import nvfp4_w4a16_matmul
+from helpers.numeric import rel_fro
 
 
 def _rand(*shape, seed=0, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-
-
-def _rel(a, b):
-    return float((a.float() - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("m,n,k", [(5, 67, 200), (70, 129, 384)])
@@ -29,7 +26,7 @@ def test_fp8_block_ragged_k_and_n(m, n, k):
     out = torch.full((m, n), float("nan"), dtype=torch.float16)
     y = w8a8_block_fp8_matmul(q, s, f.weight, f.weight_scale_inv, torch.float16, out=out)
     expect = ref.linear_ref(ref.dequant_activation(q, s), f.dequantize_fp32())
-    assert torch.isfinite(y).all() and _rel(y, expect) < 5e-3
+    assert torch.isfinite(y).all() and rel_fro(y, expect) < 5e-3
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -40,7 +37,7 @@ def test_w4a16_ragged_k_and_n(m, n, k, version):
     out = torch.full((m, n), float("nan"), dtype=torch.float16)
     y = nvfp4_w4a16_matmul(x, f.weight, f.weight_scale, f.weight_scale_2, out=out, version=version)
     expect = ref.linear_ref(x, f.dequantize_fp32())
-    assert torch.isfinite(y).all() and _rel(y, expect) < 5e-3
+    assert torch.isfinite(y).all() and rel_fro(y, expect) < 5e-3
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -70,7 +67,7 @@ def test_quant_reference_definition():
     assert torch.equal(s, groups.abs().amax(-1) / 448.0)
     assert float(ref.decode_e4m3(q).abs().max()) == 448.0
     back = ref.dequant_activation(q, s)
-    assert _rel(back, x.float()) < 0.04
+    assert rel_fro(back, x.float()) < 0.04
 
 
 def test_quant_triton_scales_match_reference_in_interpreter_or_gpu():
@@ -129,10 +126,10 @@ def test_cuda_triton_kernels_match_reference(m, dt):
     y = fp8_block_linear(x, fb.weight, fb.weight_scale_inv, dt)
     q, s = ref.per_token_group_quant_fp8_ref(x)
     expect = ref.linear_ref(ref.dequant_activation(q, s), fb.dequantize_fp32())
-    assert _rel(y, expect) < (1e-2 if dt == torch.bfloat16 else 5e-3)
+    assert rel_fro(y, expect) < (1e-2 if dt == torch.bfloat16 else 5e-3)
     f4 = W.Nvfp4Weight.from_dense(w, dt).to("cuda")
     y4 = nvfp4_w4a16_matmul(x, f4.weight, f4.weight_scale, f4.weight_scale_2)
-    assert _rel(y4, ref.linear_ref(x, f4.dequantize_fp32())) < (1e-2 if dt == torch.bfloat16 else 5e-3)
+    assert rel_fro(y4, ref.linear_ref(x, f4.dequantize_fp32())) < (1e-2 if dt == torch.bfloat16 else 5e-3)
 
 
 @pytest.mark.cuda
@@ -147,10 +144,10 @@ def test_cuda_w4a16_versions_match_reference(version, m, n, dt):
     out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
     y = nvfp4_w4a16_matmul(x, f4.weight, f4.weight_scale, f4.weight_scale_2, out=out, version=version)
     expect = ref.linear_ref(x, f4.dequantize_fp32())
-    assert torch.isfinite(y).all() and _rel(y, expect) < (1e-2 if dt == torch.bfloat16 else 5e-3)
+    assert torch.isfinite(y).all() and rel_fro(y, expect) < (1e-2 if dt == torch.bfloat16 else 5e-3)
     if version == 2:
         y1 = nvfp4_w4a16_matmul(x, f4.weight, f4.weight_scale, f4.weight_scale_2, version=1)
-        assert _rel(y, y1.float()) < 5e-3
+        assert rel_fro(y, y1.float()) < 5e-3
 
 
 @pytest.mark.cuda

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 import torch
 
 from helpers.kv_b_proj import emulated_scaled_mm as _emulated_scaled_mm
+from helpers.numeric import rel_fro, rel_mean_abs
 
 from mla_ext.compat import interpreting, triton_interpreter_reasons
 from mla_ext.dispatch import NoBackendError
@@ -35,10 +36,6 @@ def _x(m, k, dt, seed=1, row_stride=None):
 
 def _block_layer(n=256, k=512, dt=torch.bfloat16, seed=0):
     return KvBProj(W.Fp8BlockWeight.from_dense(_rand(n, k, seed=seed, scale=0.05), dt))
-
-
-def _frob(y, expect):
-    return float((y.float() - expect).norm() / expect.norm())
 
 
 def _w8a8_expect(x, layer):
@@ -189,7 +186,7 @@ def test_gemm_layout_contract_with_emulated_cublaslt(monkeypatch, dt, m, k, with
     y = S.scaled_mm_block_linear(x, w, dt, out=out)
     assert calls == [(-(-m // 4) * 4, -(-k // 512) * 512, 256)]
     assert y.shape == (m, 256) and y.dtype == dt and (out is None or y is out)
-    assert _frob(y, _w8a8_expect(x, layer)) <= FROB[dt]
+    assert rel_fro(y, _w8a8_expect(x, layer)) <= FROB[dt]
 
 
 def test_gemm_into_a_strided_out_and_fp8_input(monkeypatch):
@@ -200,12 +197,12 @@ def test_gemm_into_a_strided_out_and_fp8_input(monkeypatch):
     big = torch.full((8, 300), float("nan"), dtype=torch.bfloat16)
     y = S.scaled_mm_block_linear(x, w, torch.bfloat16, out=big[:, 10:266])
     assert y.data_ptr() == big[:, 10:266].data_ptr() and torch.isnan(big[:, :10]).all()
-    assert _frob(y, _w8a8_expect(x, layer)) <= FROB[torch.bfloat16]
+    assert rel_fro(y, _w8a8_expect(x, layer)) <= FROB[torch.bfloat16]
     # FP8 prefill hands fp8 x with a per-tensor scale: used as it is.
     xq = ref.quantize_e4m3(x.float() / 0.02)
     y8 = S.scaled_mm_block_linear(xq[:7], w, torch.bfloat16, x_scale=torch.tensor([0.02]))
     expect = ref.linear_ref(ref.decode_e4m3(xq[:7]) * 0.02, layer.weight_format.dequantize_fp32())
-    assert _frob(y8, expect) <= FROB[torch.bfloat16]
+    assert rel_fro(y8, expect) <= FROB[torch.bfloat16]
 
 
 def test_gemm_argument_errors():
@@ -349,10 +346,10 @@ def test_cuda_scaled_mm_block_matches_dequantized_reference(dt, m, n, k):
         y2 = layer(x)
     assert y is out and torch.isfinite(y).all()
     expect = _w8a8_expect(x.cpu(), layer.to("cpu"))
-    assert _frob(y.cpu(), expect) <= FROB[dt]
+    assert rel_fro(y.cpu(), expect) <= FROB[dt]
     assert torch.equal(y, y2)
     dense = ref.linear_ref(x.cpu(), layer.weight_format.dequantize_fp32().cpu())
-    assert float((y.cpu().float() - dense).abs().mean() / dense.abs().mean()) < 0.04  # SPEC §9 bound
+    assert rel_mean_abs(y.cpu(), dense) < 0.04  # SPEC §9 bound
 
 
 @pytest.mark.cuda
@@ -366,13 +363,13 @@ def test_cuda_fp8_input_auto_choice_and_graph_capture():
     with DISPATCH.force("scaled_mm_block"):
         y8 = layer(xq, x_scale=torch.tensor([0.02], device="cuda"))
     expect = ref.linear_ref(ref.decode_e4m3(xq.cpu()) * 0.02, layer.weight_format.dequantize_fp32().cpu())
-    assert _frob(y8.cpu(), expect) <= FROB[torch.bfloat16]
+    assert rel_fro(y8.cpu(), expect) <= FROB[torch.bfloat16]
     # The automatic choice serves the call correctly, whichever backend it is.
     chosen = layer.backend_for(256)
     y = layer(x)
     tol_ref = _w8a8_expect(x.cpu(), layer.to("cpu")) if chosen != "dequant_dense" else \
         ref.linear_ref(x.cpu(), layer.weight_format.dequantize_fp32().cpu())
-    assert _frob(y.cpu(), tol_ref) <= FROB[torch.bfloat16], layer.explain(256)
+    assert rel_fro(y.cpu(), tol_ref) <= FROB[torch.bfloat16], layer.explain(256)
     # prepare() built the probe and the weight layout: a CUDA graph captures the call.
     out = torch.empty(256, 1024, dtype=torch.bfloat16, device="cuda")
     with DISPATCH.force("scaled_mm_block"):

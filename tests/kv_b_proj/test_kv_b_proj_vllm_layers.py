@@ -1,4 +1,4 @@
-"""vLLM 0.33's post-load kv_b_proj layers, recognised as they are (issue 18 item 3).
+"""vLLM 0.33's post-load kv_b_proj layers, recognised as they are.
 
 What vLLM 0.33 leaves on a layer after process_weights_after_loading (read in
 its source, model_executor/layers/quantization/):

@@ -1,4 +1,4 @@
-"""Weight formats refuse what would silently poison the output (issue 11):
+"""Weight formats refuse what would silently poison the output:
 e4m3 NaN bytes in fp8 weights, non-integer group sizes."""
 import pytest
 import torch

@@ -17,7 +17,7 @@ from mla_ext.prefill import context_parallel as cp
 from mla_ext.cache import reference as ref
 from mla_ext.config.formats import get_format
 from helpers.dist import run_on_gloo_ranks
-from helpers.gather import same_bits
+from helpers.numeric import same_bits
 
 
 def _table(rng, num_reqs, need_blocks, pool):

@@ -34,6 +34,7 @@ from mla_ext.attention.latent_reference import (
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.reference import mla_prefill_reference
 from mla_ext.prefill.synthetic import SyntheticBatch
+from helpers.numeric import rel_fro
 
 try:
     from hypothesis import HealthCheck, given, settings, strategies as st
@@ -54,11 +55,6 @@ def model(fmt: str, dtype: torch.dtype = torch.bfloat16) -> MLAModelConfig:
                               model_dtype=dtype, max_model_len=256)
     return MLAModelConfig(name="absorbed-small", L=64, R=16, P=16, V=32, num_heads=3, num_layers=2,
                           model_dtype=dtype, max_model_len=256)
-
-
-def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def weight(m: MLAModelConfig, wkind: str, seed: int) -> W.WeightFormat:

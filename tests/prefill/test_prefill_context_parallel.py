@@ -18,7 +18,8 @@ import torch
 from mla_ext.config.policy import CacheConfig
 from mla_ext.prefill.layer import ContextParallel, MLAPrefill, PrefillMetadata
 from helpers.dist import run_on_gloo_ranks
-from helpers.prefill import BLOCK, TINY, Batch, fill_local_cache, make_weight, rel_fro
+from helpers.numeric import rel_fro
+from helpers.prefill import BLOCK, TINY, Batch, fill_local_cache, make_weight
 
 CASES = [  # (kv_cache_dtype, layer, weight format, interleave, workspace rows)
     ("fp8_ds_mla", 1, "fp8_block", 8, 32),

@@ -15,7 +15,8 @@ from mla_ext.config.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill
 from mla_ext.prefill.reference import mla_prefill_reference
 from mla_ext.prefill.synthetic import SyntheticBatch
-from helpers.prefill import BLOCK, TINY, make_weight, rel_fro
+from helpers.numeric import rel_fro
+from helpers.prefill import BLOCK, TINY, make_weight
 
 pytestmark = pytest.mark.cuda
 

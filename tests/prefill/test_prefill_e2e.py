@@ -19,7 +19,8 @@ import torch
 from mla_ext.config.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.reference import mla_prefill_reference
-from helpers.prefill import BLOCK, TINY, Batch, make_weight, rel_fro
+from helpers.numeric import rel_fro
+from helpers.prefill import BLOCK, TINY, Batch, make_weight
 
 # One layer per row: (cache config, layer index, kv_b_proj format). Covers
 # fp8_ds_mla, skipped native layers (by index and under two global formats),

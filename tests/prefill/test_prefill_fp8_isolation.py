@@ -1,4 +1,4 @@
-"""FP8 prefill keeps requests apart (issue 20): the activation scales are per
+"""FP8 prefill keeps requests apart: the activation scales are per
 token, so a non-finite value in one request's new latents (kv_c_normed) or in its
 cached context changes no other request's output, bit for bit, on every cache
 format, for both fp8 weight formats and on both context paths. (A per-tensor amax
@@ -22,6 +22,7 @@ from mla_ext.kv_b_proj import weights as W
 from mla_ext.kv_b_proj.linear import DISPATCH, KvBProj
 from mla_ext.config.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
+from helpers.numeric import rel_fro
 from helpers.prefill import BLOCK, TINY, Batch
 
 CTX, QL = [40, 9, 21], [3, 2, 2]  # request 0 is poisoned; 1 and 2 must not notice
@@ -92,17 +93,13 @@ def _per_row_case(name: str):
     return layer, xq, s, expect
 
 
-def _rel(y, expect) -> float:
-    return float((y.float() - expect).norm() / expect.norm())
-
-
 @pytest.mark.parametrize("name, backend", [("fp8_block", "dequant_dense"), ("fp8_channel", "dequant_dense"),
                                            ("fp8_block", "triton_fp8_block")])
 def test_per_row_x_scale_on_every_fp8_backend(name, backend):
     layer, xq, s, expect = _per_row_case(name)
     with DISPATCH.force(backend):
         y = layer(xq, s)
-    assert _rel(y, expect) <= 1e-2
+    assert rel_fro(y, expect) <= 1e-2
     # Row 0 of a NaN scale: row 0 NaN, every other row unchanged bit for bit.
     s_bad = s.clone()
     s_bad[0] = float("nan")
@@ -123,7 +120,7 @@ def test_per_row_x_scale_through_scaled_mm_block(monkeypatch):
     q, scales = S.quantize_activation(xq, 512, s)
     assert scales.shape == (8, 4) and torch.equal(scales[:6], s.expand(6, 4)) and (scales[6:] == 1).all()
     y = S.scaled_mm_block_linear(xq, layer.scaled_mm_block_weight("cpu"), torch.bfloat16, x_scale=s)
-    assert _rel(y, expect) <= 1e-2
+    assert rel_fro(y, expect) <= 1e-2
 
 
 def test_x_scale_shapes():

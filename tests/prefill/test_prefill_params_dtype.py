@@ -1,4 +1,4 @@
-"""A kv_b_proj whose params_dtype differs from the model dtype (issue 20): fp8_block
+"""A kv_b_proj whose params_dtype differs from the model dtype: fp8_block
 declared fp16, fp8 per-channel declared fp32, NVFP4 declared fp16 in a bf16 model,
 beside the formats that always worked that way (dense, Marlin, int4). MLAPrefill
 reconciles at construction (the activations are cast to the linear's params
@@ -14,7 +14,8 @@ from mla_ext.kv_b_proj import weights as W
 from mla_ext.config.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.reference import mla_prefill_reference
-from helpers.prefill import BLOCK, TINY, Batch, rel_fro
+from helpers.numeric import rel_fro
+from helpers.prefill import BLOCK, TINY, Batch
 
 F16, F32 = torch.float16, torch.float32
 MAKERS = {

@@ -1,5 +1,5 @@
-"""MLAPrefill.prepare / KvBProj.prepare warm every variant a layer will use (issue 19
-item 3): kv_b_proj once per row bucket up to the workspace rows, the writer (a padding
+"""MLAPrefill.prepare / KvBProj.prepare warm every variant a layer will use (no compile
+while serving): kv_b_proj once per row bucket up to the workspace rows, the writer (a padding
 slot), the KV scale, the gathers and both context paths. The cache is only read.
 On a GPU this compiles the Triton variants; here (CPU backends) it checks what runs."""
 import math

@@ -1,4 +1,4 @@
-"""Device rules from issue 19 item 7 / item 5, decided from measured device facts:
+"""Device rules decided from measured device facts:
 the fp8 quantizer refuses (with the reason) where Triton has no fp8, and the latent
 kernel's tile is chosen from the device's opt-in shared memory, not its capability.
 No device needed: the device queries are stubbed."""

@@ -1,4 +1,4 @@
-"""A dispatch table can never make a call raise (issue 20): a file over the size
+"""A dispatch table can never make a call raise: a file over the size
 cap, any parse error (deep nesting -> RecursionError, truncated JSON), a value
 past float range (a 400-digit time or rate -> OverflowError), a wrong schema:
 the table is ignored with ONE warning naming the file and the reason. Backend

@@ -10,6 +10,7 @@ from mla_ext.config.formats import get_format
 from mla_ext.prefill.reference import mla_prefill_reference
 from mla_ext.sparse import reference as ref
 from mla_ext.sparse import sparse_attention as SA
+from helpers.numeric import rel_fro
 from helpers.sparse_cache import paged_layout
 
 B = 16
@@ -84,10 +85,6 @@ def _oracle(c):
     return ref.sparse_latent_attention_reference(c["q"], kv, pe, c["idx"], Q_LENS, c["w"], P, V, c["scale"])
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_every_format_matches_the_oracle(fmt, backend):
@@ -96,7 +93,7 @@ def test_every_format_matches_the_oracle(fmt, backend):
     o, lse = _run(c, backend)
     o_ref, lse_ref = _oracle(c)
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
-    assert _rel(o, o_ref) <= TOL[dtype], (fmt, backend)
+    assert rel_fro(o, o_ref) <= TOL[dtype], (fmt, backend)
     assert torch.allclose(lse, lse_ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
@@ -104,7 +101,7 @@ def test_fp32_triton_matches_the_oracle_tightly():
     c = _case("auto", torch.float32, seed=3)
     o, lse = _run(c, "triton")
     o_ref, lse_ref = _oracle(c)
-    assert _rel(o, o_ref) <= 1e-5 and torch.allclose(lse, lse_ref, atol=1e-5)
+    assert rel_fro(o, o_ref) <= 1e-5 and torch.allclose(lse, lse_ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -114,7 +111,7 @@ def test_dense_lists_give_dense_prefill(backend):
     L = c["L"]
     dense = mla_prefill_reference(c["q"], c["new_kv"], c["new_pe"], [r[:, :L] for r in c["ctx_rows"]],
                                   [r[:, L:] for r in c["ctx_rows"]], Q_LENS, c["w"], P, V, c["scale"])
-    assert _rel(o, dense) <= 1e-5
+    assert rel_fro(o, dense) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -128,7 +125,7 @@ def test_no_key_and_bad_block_ids(backend):
     c2["ctx_rows"] = [r.clone() for r in c["ctx_rows"]]
     c2["ctx_rows"][0][:B] = 0
     o_ref, lse_ref = _oracle(c2)
-    assert _rel(o[1:], o_ref[1:]) <= 1e-2 and torch.allclose(lse[:, 1:], lse_ref[:, 1:], atol=1e-2)
+    assert rel_fro(o[1:], o_ref[1:]) <= 1e-2 and torch.allclose(lse[:, 1:], lse_ref[:, 1:], atol=1e-2)
 
 
 def test_bad_arguments_are_value_errors():

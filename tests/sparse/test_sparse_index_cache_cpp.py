@@ -1,5 +1,5 @@
 """The compiled DSA index-cache kernels (csrc/sparse/): the C++ CPU writer and gather are
-bit-identical to the torch reference (index_cache._write_torch / _gather_torch) on random
+bit-identical to the torch reference (index_cache_torch._write_torch / _gather_torch) on random
 inputs, every format, several block sizes, poisoned outputs, -1 and out-of-range slots and
 block ids; the layout header agrees with the Python module through the compiled
 `index_cache_format_info`; the dispatch picks the C++ CPU backend on the CPU. CUDA tests are
@@ -13,8 +13,10 @@ import torch
 
 import mla_ext  # noqa: F401  (loads the compiled ops)
 from mla_ext.sparse import index_cache as ic
+from mla_ext.sparse import index_cache_torch as ict
 from mla_ext.sparse.index_cache_backends import INDEX_GATHER, INDEX_WRITE, IndexGatherInputs, IndexWriteInputs
 from helpers.sparse_cache import paged_layout
+from helpers.numeric import same_bytes
 
 ops = torch.ops.mla_ext
 pytestmark = pytest.mark.skipif(not hasattr(ops, "index_cache_write"), reason="mla_ext built without the ops")
@@ -38,10 +40,6 @@ def _poisoned_cache(fmt, nb, B, Q, device="cpu"):
     return c.fill_(0xA5) if c.dtype == torch.uint8 else c.fill_(float("nan"))
 
 
-def _same(a, b):
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == b.dtype else False
-
-
 @pytest.mark.parametrize("fmt,Q,scale_fmt", CASES)
 @pytest.mark.parametrize("B", [1, 4, 16])
 @pytest.mark.parametrize("kdtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -53,12 +51,12 @@ def test_cpu_write_bit_identical(fmt, Q, scale_fmt, B, kdtype):
     k = _keys(slot.numel(), kdtype, seed=B + 7)
     want, got = _poisoned_cache(fmt, nb, B, Q), _poisoned_cache(fmt, nb, B, Q)
     f = ic.get_index_format(fmt)
-    ic._write_torch(IndexWriteInputs(k, want, slot, f, Q, scale_fmt))
+    ict._write_torch(IndexWriteInputs(k, want, slot, f, Q, scale_fmt))
     ops.index_cache_write(k, got, slot.to(torch.int32), fmt, Q or 0, scale_fmt or "")
-    assert _same(got, want)
+    assert same_bytes(got, want)
     got64 = _poisoned_cache(fmt, nb, B, Q)
     ops.index_cache_write(k, got64, slot, fmt, 0, scale_fmt or "")  # int64 slots, Q from the cache
-    assert _same(got64, want)
+    assert same_bytes(got64, want)
 
 
 @pytest.mark.parametrize("fmt,Q,scale_fmt", CASES)
@@ -68,25 +66,25 @@ def test_cpu_gather_bit_identical(fmt, Q, scale_fmt, B):
     table, nb, slots = paged_layout(lens, B, seed=B + 1)
     cache = ic.get_index_format(fmt).empty(nb, B, D, Q)
     k = _keys(sum(lens), torch.float32, seed=B)
-    ic._write_torch(IndexWriteInputs(k, cache, torch.cat(slots), ic.get_index_format(fmt), Q, scale_fmt))
+    ict._write_torch(IndexWriteInputs(k, cache, torch.cat(slots), ic.get_index_format(fmt), Q, scale_fmt))
     cu = torch.tensor([0, 7, 7, 26, 29], dtype=torch.int32)
     want = torch.full((29, D), float("nan"))
-    ic._gather_torch(IndexGatherInputs(cache, table, cu, ic.get_index_format(fmt), None, D, want))
+    ict._gather_torch(IndexGatherInputs(cache, table, cu, ic.get_index_format(fmt), None, D, want))
     got = torch.full((29, D), float("nan"))
     ops.index_cache_gather(cache, got, table, cu, fmt, D)
-    assert _same(got, want)
+    assert same_bytes(got, want)
     # a chunk with seq_starts, the rows past the last request untouched
     starts = torch.tensor([2, 0, 5, 1], dtype=torch.int32)
     cu2 = torch.tensor([0, 4, 4, 14, 16], dtype=torch.int32)
     want2 = torch.full((18, D), float("nan"))
-    ic._gather_torch(IndexGatherInputs(cache, table, cu2, ic.get_index_format(fmt), starts, D, want2[:16]))
+    ict._gather_torch(IndexGatherInputs(cache, table, cu2, ic.get_index_format(fmt), starts, D, want2[:16]))
     got2 = torch.full((18, D), float("nan"))
     ops.index_cache_gather(cache, got2, table, cu2, fmt, D, starts)
-    assert _same(got2, want2)
+    assert same_bytes(got2, want2)
     if fmt == "fp8":  # raw bytes and scales, as vLLM's cp_gather_indexer_k_quant_cache
         S = D // Q
         wk, ws = torch.full((29, D), 0xA5, dtype=torch.uint8), torch.full((29, 4 * S), 0xA5, dtype=torch.uint8)
-        ic._gather_torch(IndexGatherInputs(cache, table, cu, ic.get_index_format(fmt), None, D, wk, ws))
+        ict._gather_torch(IndexGatherInputs(cache, table, cu, ic.get_index_format(fmt), None, D, wk, ws))
         gk, gs = torch.full_like(wk, 0x5A), torch.full((29, S), float("nan"))
         ops.index_cache_gather(cache, gk, table, cu, fmt, D, None, gs)
         assert torch.equal(gk, wk) and torch.equal(gs.view(torch.uint8), ws)
@@ -177,12 +175,12 @@ def test_cuda_kernels_bit_identical_to_cpu(fmt, Q, scale_fmt, B):
     want, got = _poisoned_cache(fmt, nb, B, Q), _poisoned_cache(fmt, nb, B, Q, "cuda")
     ops.index_cache_write(k, want, slot, fmt, Q or 0, scale_fmt or "")
     ops.index_cache_write(k.cuda(), got, slot.cuda(), fmt, Q or 0, scale_fmt or "")
-    assert _same(got.cpu(), want)
+    assert same_bytes(got.cpu(), want)
     cu = torch.tensor([0, 70, 70, 103], dtype=torch.int32)
     wo, go = torch.full((105, D), float("nan")), torch.full((105, D), float("nan"), device="cuda")
     ops.index_cache_gather(want, wo, table, cu, fmt, D)
     ops.index_cache_gather(got, go, table.cuda(), cu.cuda(), fmt, D)
-    assert _same(go.cpu(), wo)
+    assert same_bytes(go.cpu(), wo)
     inp = IndexWriteInputs(k.cuda(), got, slot.cuda(), ic.get_index_format(fmt), Q, scale_fmt)
     assert INDEX_WRITE.choose(inp).name == "cuda"
     bad = torch.tensor([[0, nb + 3, -1]], dtype=torch.int32)  # out-of-range block ids: zero rows on both
@@ -190,7 +188,7 @@ def test_cuda_kernels_bit_identical_to_cpu(fmt, Q, scale_fmt, B):
     wz, gz = torch.full((3 * B, D), float("nan")), torch.full((3 * B, D), float("nan"), device="cuda")
     ops.index_cache_gather(want, wz, bad, cub, fmt, D, st)
     ops.index_cache_gather(got, gz, bad.cuda(), cub.cuda(), fmt, D, st.cuda())
-    assert _same(gz.cpu(), wz)
+    assert same_bytes(gz.cpu(), wz)
     if fmt == "fp8":  # raw bytes + scales
         S = D // Q
         wk, ws = torch.full((105, D), 7, dtype=torch.uint8), torch.full((105, 4 * S), 7, dtype=torch.uint8)
@@ -213,7 +211,7 @@ def test_ue8m0_scale_one_ulp_above_a_power_of_two_rounds_up_everywhere():
     assert torch.equal(s[:, 0], p2 * 2)
     f = ic.get_index_format("fp8")
     want, got = f.empty(1, 4, D, D), f.empty(1, 4, D, D)
-    ic._write_torch(IndexWriteInputs(k, want, torch.arange(3), f, D, "ue8m0"))
+    ict._write_torch(IndexWriteInputs(k, want, torch.arange(3), f, D, "ue8m0"))
     ops.index_cache_write(k, got, torch.arange(3), "fp8", D, "ue8m0")
     tri = f.empty(1, 4, D, D)
     with INDEX_WRITE.force("triton"):  # the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
@@ -235,7 +233,7 @@ def test_cpu_range_check_refuses_exactly_what_the_torch_gather_refuses():
         starts = torch.randint(0, B + 1, (n,), generator=g, dtype=torch.int32) if trial % 2 else None
         outcome = []
         cache = torch.empty(nb, B, 4)
-        for check in (lambda: ic._token_slots(table, cu, starts, B, nb),
+        for check in (lambda: ict._token_slots(table, cu, starts, B, nb),
                       lambda: ic.check_gather_offsets(cache, table, cu, starts, B)):
             try:
                 check()

@@ -19,7 +19,8 @@ from mla_ext.prefill.sparse import SparseConfig, sparse_forward
 pytest.importorskip("transformers")
 from mla_ext.integrations.transformers_deepseek import TransformersMLA  # noqa: E402
 from helpers.sparse_cache import paged_layout  # noqa: E402
-from helpers.sparse import rel, run_with_context, tie_equivalent, tiny_model  # noqa: E402
+from helpers.numeric import rel_fro  # noqa: E402
+from helpers.sparse import run_with_context, tie_equivalent, tiny_model  # noqa: E402
 
 B = 16
 KS = torch.tensor([0.02])  # per-tensor fp8 K scale
@@ -90,7 +91,7 @@ def test_matches_transformers_past_index_topk(family):
         same = [t for t in range(qn) if {int(i) for i in sel[rows][t] if i >= 0}
                 == {int(i) for i in cap.topk[t] if i <= c + t}]
         agree += len(same)
-        assert rel(y[rows][same], cap.out[same]) <= 1e-5, family
+        assert rel_fro(y[rows][same], cap.out[same]) <= 1e-5, family
     assert agree >= sum(q for _, q in REQUESTS) * 3 // 4
 
 
@@ -108,7 +109,7 @@ def test_every_cache_format(fmt, index_fmt):
     sel = layer.prefill.last_selection
     seen = torch.tensor([min(16, c + i + 1) for c, q in REQUESTS for i in range(q)])
     assert torch.isfinite(out).all() and torch.equal((sel >= 0).sum(1), seen)
-    assert rel(out, _oracle_on_cache(layer, attn, caps, kv_cache, slots, sel, fmt)) <= 1e-4, fmt
+    assert rel_fro(out, _oracle_on_cache(layer, attn, caps, kv_cache, slots, sel, fmt)) <= 1e-4, fmt
     # the selections against transformers' (fp32 scoring): equal up to ties with a float32 index cache;
     # a bf16 / fp8 index cache rounds the keys, so near ties may go the other way (measured: 42-46 of
     # 47 rows equal)
@@ -133,7 +134,7 @@ def test_sparse_equals_dense_when_nothing_is_dropped(fmt):
     assert not layer.prefill.sparse.drops(meta.context_lens, meta.query_lens)
     dense = layer.prefill(q, kv_c, k_pe, kv_cache, meta)  # runs dense: nothing would be dropped
     sparse = sparse_forward(layer.prefill, q, kv_c, k_pe, kv_cache, meta, ix, None)
-    assert rel(sparse, dense) <= 1e-5  # on an fp8 cache: both read the same rows
+    assert rel_fro(sparse, dense) <= 1e-5  # on an fp8 cache: both read the same rows
 
 
 def test_refusals_and_dense_families():
@@ -210,7 +211,7 @@ def test_glm5_shared_layer_reuses_the_full_layers_selection():
         same = [t for t in range(qn) if {int(i) for i in sel[rows][t] if i >= 0}
                 == {int(i) for i in c0.topk[t] if i <= c + t}]
         assert len(same) >= qn * 3 // 4
-        assert rel(y[rows][same], c1.out[same]) <= 1e-5
+        assert rel_fro(y[rows][same], c1.out[same]) <= 1e-5
 
 
 def test_bf16_model_and_the_triton_backend_in_the_layer():
@@ -238,7 +239,7 @@ def test_bf16_model_and_the_triton_backend_in_the_layer():
         out = layer(hidden, pos, kv_cache, meta, index_cache=index_cache)
     assert out.dtype == torch.bfloat16
     want = _oracle_on_cache(layer, attn, caps, kv_cache, slots, layer.prefill.last_selection, "fp8")
-    assert rel(out, want) <= 1e-2
+    assert rel_fro(out, want) <= 1e-2
     with pytest.raises(ValueError, match="context parallel"):
         MLAPrefill(layer.prefill.model, CacheConfig("fp8", block_size=B), layer.prefill.kv_b_proj, layer=0,
                    sparse=layer.prefill.sparse, context_parallel=ContextParallel(None, 2, 0, 1))

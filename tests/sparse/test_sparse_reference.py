@@ -9,7 +9,8 @@ from mla_ext.sparse import reference as ref
 from mla_ext.integrations.transformers_indexer import IndexerParams, project
 
 pytest.importorskip("transformers")
-from helpers.sparse import FAMILIES, rel, reference_layer, run_with_context, tie_equivalent, tiny_model  # noqa: E402
+from helpers.numeric import rel_fro  # noqa: E402
+from helpers.sparse import FAMILIES, reference_layer, run_with_context, tie_equivalent, tiny_model  # noqa: E402
 
 # (ctx, q_len) per request: context and new tokens both past index_topk=16, one short, one without context.
 REQUESTS = [(40, 12), (70, 5), (0, 30), (9, 3)]
@@ -61,10 +62,10 @@ def test_selection_and_output_match_transformers(family):
                                                       theirs, [qn], attn.kv_b_proj.weight,
                                                       attn.qk_nope_head_dim, attn.v_head_dim, attn.scaling)
         out = o2.to(torch.float64).reshape(qn, -1) @ attn.o_proj.weight.to(torch.float64).t()
-        assert rel(cap.out, out) <= 1e-5, name
+        assert rel_fro(cap.out, out) <= 1e-5, name
         same = [t for t in range(qn) if set(one.selected[t].tolist()) - {-1} == set(theirs[t].tolist()) - {-1}]
         assert len(same) >= qn // 2
-        assert rel(cap.out[same], one.out[same]) <= 1e-5, name
+        assert rel_fro(cap.out[same], one.out[same]) <= 1e-5, name
     assert torch.isfinite(lse[:, sum(q for c, q in REQUESTS if c == 0):]).all()
 
 
@@ -74,7 +75,7 @@ def test_dropping_matters_past_topk(family):
     name, model, caps = family
     ctx, qn = REQUESTS[0]
     full = reference_layer(model, caps[0], ctx, topk=ctx + qn)
-    assert rel(caps[0].out, full.out) > 1e-2, name
+    assert rel_fro(caps[0].out, full.out) > 1e-2, name
 
 
 @torch.no_grad()
@@ -92,12 +93,12 @@ def test_sparse_equals_dense_when_nothing_is_dropped(family):
                                   [x.kv_c[:c] for x, (c, _) in zip(xs, REQUESTS)],
                                   [x.k_pe[:c] for x, (c, _) in zip(xs, REQUESTS)], q_lens,
                                   attn.kv_b_proj.weight, attn.qk_nope_head_dim, attn.v_head_dim, attn.scaling)
-    assert rel(o, dense) <= 1e-6
+    assert rel_fro(o, dense) <= 1e-6
     # and the model itself, run with index_topk >= ctx + q_len, gives the dense answer
     ctx, qn = REQUESTS[0]
     wide = tiny_model(name, topk=ctx + qn)
     cap = run_with_context(wide, ctx, qn, seed=10)
-    assert rel(cap.out, reference_layer(wide, cap, ctx).out) <= 1e-5
+    assert rel_fro(cap.out, reference_layer(wide, cap, ctx).out) <= 1e-5
 
 
 def test_topk_tie_rule_is_lower_position_first():
