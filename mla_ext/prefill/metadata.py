@@ -58,7 +58,7 @@ class PrefillMetadata:
     """
 
     __slots__ = ("block_table", "context_lens", "query_lens", "k_scale", "block_size",
-                 "max_context_len", "_plans", "_cu_q", "_chunk_t")
+                 "max_context_len", "_plans", "_cu_q", "_chunk_t", "_backends")
 
     def __init__(self, block_table: Tensor, context_lens, query_lens, k_scale: Tensor | None = None,
                  *, block_size: int | None = None):
@@ -95,6 +95,7 @@ class PrefillMetadata:
         init(self, "_plans", {})
         init(self, "_cu_q", {})
         init(self, "_chunk_t", {})
+        init(self, "_backends", {})
 
     def __setattr__(self, name, value):
         raise ValueError(
@@ -126,6 +127,19 @@ class PrefillMetadata:
         if key not in self._plans:
             self._plans[key] = plan_context_chunks(self.context_lens, self.query_lens, rows, alignment)
         return self._plans[key]
+
+    def backends(self, key, make):
+        """The op backends resolved for this batch under a layer key (mla_ext/prefill/backends.py):
+        made by `make()` on the key's first forward, shared by every later call of this batch with
+        the same key (layers of the same spec, the same caller tensors' layout, the same dispatch state)."""
+        hit = self._backends.get(key)
+        if hit is None:
+            hit = self._backends[key] = make()
+        return hit
+
+    def resolved_backends(self) -> dict:
+        """{layer key: BatchBackends} resolved so far for this batch (for explain and the tests)."""
+        return dict(self._backends)
 
     def cu_seqlens_q(self, device) -> Tensor:
         device = torch.device(device)
