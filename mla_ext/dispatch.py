@@ -524,17 +524,15 @@ class Chosen:
     The caller vouches that every call through one site has inputs the dispatcher would decide
     alike (same devices, dtypes, strides and size buckets)."""
 
-    __slots__ = ("backend", "op")
+    __slots__ = ("backend",)
 
     def __init__(self) -> None:
         self.backend: Backend | None = None
-        self.op: str | None = None
 
     def pick(self, dispatcher: Dispatcher, inputs: Any) -> Backend:
         b = self.backend
         if b is None:
             b = self.backend = dispatcher.choose(inputs)
-            self.op = dispatcher.op
         return b
 
 

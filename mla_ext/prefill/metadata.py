@@ -50,9 +50,10 @@ class PrefillMetadata:
     (block ids mean different token ranges there). Pass it: without it that
     mistake cannot be detected.
 
-    Immutable: layers share the chunk plans and device copies cached here,
-    keyed on what each depends on (`plan`: workspace rows and alignment;
-    `chunk_tensors`: the chunk and the device; `cu_seqlens_q`: the device), so
+    Immutable: layers share the chunk plans, device copies and op backends cached
+    here, keyed on what each depends on (`plan`: workspace rows and alignment;
+    `chunk_tensors`: the chunk and the device; `cu_seqlens_q`: the device;
+    `backends`: the layer key of mla_ext/prefill/backends.py), so
     assigning a field would leave them stale. Build a new PrefillMetadata for a
     new batch; assigning or deleting an attribute raises ValueError.
     """
