@@ -41,6 +41,11 @@ entry (so never shown as measured), and an entry left without a backend is no
 measurement. `write_table_entries()` merges measured entries into a table file
 (the benchmarks use it).
 
+Resolved once. `Dispatcher.run(inputs, chosen)` with a `Chosen` (one call site) decides at the
+site's first call and reuses that backend for the later ones, skipping every backend's reasons
+and heuristics; MLAPrefill keeps one per op call site and batch (mla_ext/prefill/backends.py),
+keyed by what the choice depends on, `dispatch_state()` (forced backends, tables) included.
+
 A backend named "triton" or "triton_<...>" runs Triton kernels: besides its
 own reasons it reports those of the installed Triton itself, which matter
 under TRITON_INTERPRET=1 (`mla_ext.compat.triton_interpreter_reasons`: e.g. an
