@@ -41,6 +41,11 @@ entry (so never shown as measured), and an entry left without a backend is no
 measurement. `write_table_entries()` merges measured entries into a table file
 (the benchmarks use it).
 
+Resolved once. `Dispatcher.run(inputs, chosen)` with a `Chosen` (one call site) decides at the
+site's first call and reuses that backend for the later ones, skipping every backend's reasons
+and heuristics; MLAPrefill keeps one per op call site and batch (mla_ext/prefill/backends.py),
+keyed by what the choice depends on, `dispatch_state()` (forced backends, tables) included.
+
 A backend named "triton" or "triton_<...>" runs Triton kernels: besides its
 own reasons it reports those of the installed Triton itself, which matter
 under TRITON_INTERPRET=1 (`mla_ext.compat.triton_interpreter_reasons`: e.g. an
@@ -163,9 +168,13 @@ _TABLE_CACHE: dict[str, tuple[dict | None, str | None]] = {}
 _LOOKUPS: dict[tuple, tuple["TableEntry | None", str]] = {}  # (dir, op, device, keys) -> lookup()
 
 
+_GENERATION = [0]  # bumped whenever the tables read so far are forgotten (a resolved choice may change)
+
+
 def clear_table_cache() -> None:
     """Forget the tables read so far (they are read once per process)."""
     with _TABLE_LOCK:
+        _GENERATION[0] += 1
         _TABLE_CACHE.clear()
         _LOOKUPS.clear()
         _WARNED.clear()
@@ -485,6 +494,13 @@ class Dispatcher:
     def __call__(self, inputs: Any) -> Any:
         return self.choose(inputs).run(inputs)
 
+    def run(self, inputs: Any, chosen: "Chosen | None" = None) -> Any:
+        """`self(inputs)`, or with `chosen` (a call site resolved once per batch) its backend:
+        chosen by this dispatcher at the site's first call, reused by every later one."""
+        if chosen is None:
+            return self.choose(inputs).run(inputs)
+        return chosen.pick(self, inputs).run(inputs)
+
     @contextlib.contextmanager
     def force(self, name: str | None) -> Iterator[None]:
         """Within the block, always use backend `name` (None: normal choice)."""
@@ -495,6 +511,34 @@ class Dispatcher:
             yield
         finally:
             self._forced = prev
+
+
+def dispatch_state(dispatchers: Sequence[Dispatcher]) -> tuple:
+    """What the choices of `dispatchers` depend on besides their inputs: each one's forced backend
+    (Dispatcher.force, MLA_EXT_FORCE_<OP>) and tables folder, the tables' environment variable and
+    generation (bumped by clear_table_cache). A choice resolved once is reused only while this is
+    unchanged; it runs on every layer call, so the environment is read once per variable."""
+    env = os.environ
+    return (env.get(TABLES_ENV), _GENERATION[0]) + tuple(
+        (d._forced or env.get("MLA_EXT_FORCE_" + d.op.upper()) or None, d.tables_dir) for d in dispatchers)
+
+
+class Chosen:
+    """One call site's backend, resolved by the dispatcher at the site's first call and reused
+    by the later ones (MLAPrefill resolves each op of a batch once: mla_ext/prefill/backends.py).
+    The caller vouches that every call through one site has inputs the dispatcher would decide
+    alike (same devices, dtypes, strides and size buckets)."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self) -> None:
+        self.backend: Backend | None = None
+
+    def pick(self, dispatcher: Dispatcher, inputs: Any) -> Backend:
+        b = self.backend
+        if b is None:
+            b = self.backend = dispatcher.choose(inputs)
+        return b
 
 
 # -- every dispatcher of the library (for `python -m mla_ext info`) --------------

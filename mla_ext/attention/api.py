@@ -299,6 +299,7 @@ def varlen_attention(
     k_rope: torch.Tensor | None = None,
     scratch: AttentionScratch | None = None,
     sinks: torch.Tensor | None = None,
+    chosen=None,
 ):
     """Variable-length multi-head attention with LSE, for MLA shapes.
 
@@ -310,7 +311,8 @@ def varlen_attention(
     causal=True masks bottom-right aligned: query i sees keys
     j <= i + (k_len - q_len) (for the new-token pass q_len == k_len).
     Rows without a visible key (k_len 0, or fully masked) get o = 0,
-    lse = -inf; query rows past cu_seqlens_q[-1] too.
+    lse = -inf; query rows past cu_seqlens_q[-1] too. `chosen` (mla_ext.dispatch.Chosen): a call
+    site resolved once (MLAPrefill resolves each op once per batch).
 
     Split MLA keys: with `k_rope` ([Tk, R] shared by the heads, or
     [Tk, 1 or N, R]; q.dtype, head dim contiguous), `k` is k_nope [Tk, N, P]
@@ -338,7 +340,7 @@ def varlen_attention(
     return_lse = _flag(return_lse, "return_lse")
     _validate_attention(x)
     sinks = check_sinks(sinks, q.shape[1], q.device)
-    o, lse = ATTENTION(x)
+    o, lse = ATTENTION.run(x, chosen)
     if sinks is not None:
         o, lse = apply_sinks(o, lse, sinks)
     return (o, lse) if return_lse else o
@@ -443,6 +445,8 @@ def merge_attn_states(
     lse2: torch.Tensor,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
+    *,
+    chosen=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges two partial attention results over disjoint key sets (SPEC §7).
 
@@ -453,7 +457,7 @@ def merge_attn_states(
     o2/lse2 themselves, for an in-place merge); otherwise they are allocated.
     Any other memory shared between an output and an input (a shifted view,
     say), or between the two outputs, is a ValueError naming both.
-    Returns (out, out_lse).
+    `chosen` (mla_ext.dispatch.Chosen): a call site resolved once (MLAPrefill). Returns (out, out_lse).
     """
     if out is None and isinstance(o1, torch.Tensor):
         out = torch.empty_like(o1, memory_format=torch.contiguous_format)
@@ -461,7 +465,7 @@ def merge_attn_states(
         out_lse = torch.empty(o1.shape[1], o1.shape[0], dtype=torch.float32, device=o1.device)
     x = MergeInputs(out, out_lse, o1, lse1, o2, lse2)
     _validate_merge(x)
-    MERGE(x)
+    MERGE.run(x, chosen)
     return out, out_lse
 
 

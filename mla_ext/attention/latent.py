@@ -235,6 +235,7 @@ def latent_context_attention(
     ctx_offsets,
     workspace: Tensor | None = None,
     rows: Tensor | None = None,
+    chosen=None,
 ) -> tuple[Tensor, Tensor]:
     """Context attention of absorbed queries against the latent rows of the paged cache.
 
@@ -246,7 +247,8 @@ def latent_context_attention(
     `kv_cache_dtype`; `q_offsets` / `ctx_offsets` are the same offsets as host
     ints (they size the launch without a device sync). `rows` instead of a cache:
     already gathered rows [C, L+R] (request r's at ctx_offsets[r]).
-    `workspace`: rows the torch backend may gather into.
+    `workspace`: rows the torch backend may gather into. `chosen` (mla_ext.dispatch.Chosen): a call
+    site resolved once (MLAPrefill resolves each op once per batch).
 
     Returns (o_lat [N, T, L] in q_lat's dtype, lse [N, T] float32, natural log);
     a query without context keys has o = 0, lse = -inf.
@@ -299,7 +301,7 @@ def latent_context_attention(
     if T == 0 or N == 0:
         out, lse = latent_outputs(x.q_lat)
         return out, lse
-    return LATENT(x)
+    return LATENT.run(x, chosen)
 
 
 def backend_report(device: str | torch.device | None = None) -> list[tuple[str, str, list[str]]]:

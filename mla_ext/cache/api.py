@@ -257,7 +257,7 @@ def _validate_gather_ids(info, dst, block_table, cu_seq_lens, num_reqs, seq_star
 def gather_and_maybe_dequant_cache(
     src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int,
     kv_cache_dtype: str, k_scale: Tensor, seq_starts: Tensor | None = None, *,
-    validate: bool = False,
+    validate: bool = False, chosen=None,
 ) -> Tensor:
     """dst[cu_seq_lens[r] + i] = dequant(cached token seq_starts[r] + i of request r); returns dst.
 
@@ -266,7 +266,7 @@ def gather_and_maybe_dequant_cache(
     fp8_ds_mla dequantizes to 576 (R=64) or 512 (R=0) columns, nvfp4_ds_mla to
     576 (every value exact in bf16/fp16/fp32). Any seq_starts
     alignment, arbitrary block/entry strides. Never syncs the host unless
-    validate=True.
+    validate=True. `chosen` (mla_ext.dispatch.Chosen): a call site resolved once (MLAPrefill).
     """
     info = checks.validate_gather_args(
         src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale, seq_starts
@@ -275,8 +275,8 @@ def gather_and_maybe_dequant_cache(
         _check_scale(k_scale, info.fmt, validate)
     if validate:
         _validate_gather_ids(info, dst, block_table, cu_seq_lens, num_reqs, seq_starts)
-    GATHER(GatherInputs(src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale,
-                        seq_starts))
+    GATHER.run(GatherInputs(src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale,
+                            seq_starts), chosen)
     return dst
 
 

@@ -610,14 +610,14 @@ class KvBProj:
                 raise ValueError(f"x_scale: expected a finite value > 0, got {v}")
 
     def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, *, chosen=None) -> torch.Tensor:
         """x [M, K] in params_dtype (or fp8 for fp8 weights, scaled by `x_scale`: one
         element (per tensor) or [M, 1] (per row); default 1). The row stride may exceed
-        K: `workspace[:, :L]` works."""
+        K: `workspace[:, :L]` works. `chosen` (mla_ext.dispatch.Chosen): a call site resolved once."""
         self._check(x, x_scale, out)
         if x.shape[0] == 0:
             return out if out is not None else torch.empty((0, self.N), dtype=self.params_dtype, device=x.device)
-        return DISPATCH(self._inputs(x.shape[0], x.device, x.dtype, x, x_scale, out))
+        return DISPATCH.run(self._inputs(x.shape[0], x.device, x.dtype, x, x_scale, out), chosen)
 
     __call__ = forward
 

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from mla_ext.attention.latent import LATENT, LatentInputs, absorb_queries, absorbed_weights, latent_context_attention, unabsorb
 from mla_ext.prefill import context_cost as AC
+from mla_ext.prefill.backends import NO_PLAN
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -62,34 +63,37 @@ class ContextAttention:
         return hit
 
     @staticmethod
-    def backend(q_lat: Tensor, kv_cache: Tensor, kv_cache_dtype: str, cu: Tensor) -> str:
+    def backend(q_lat: Tensor, kv_cache: Tensor, kv_cache_dtype: str, cu: Tensor, chosen=None) -> str:
         """The latent attention backend that would read this cache (decided from
-        devices, dtypes and strides; `cu`, any int32 offsets, is not read)."""
+        devices, dtypes and strides; `cu`, any int32 offsets, is not read). `chosen`:
+        the call site's choice when resolved once per batch (mla_ext/prefill/backends.py)."""
         x = LatentInputs(q_lat, q_lat[..., :0].transpose(0, 1), kv_cache, kv_cache_dtype, None, cu, cu, None, None,
                          1.0, (0, 0), (0, 0))
-        return LATENT.choose(x).name
+        return (LATENT.choose(x) if chosen is None else chosen.pick(LATENT, x)).name
 
     def run(self, layer, q: Tensor, kv_cache: Tensor, workspace: Tensor, metadata, c, t, scale: Tensor,
-            tick) -> tuple[Tensor, Tensor]:
+            tick, sites=NO_PLAN) -> tuple[Tensor, Tensor]:
         """One chunk's context attention in latent space: q [Tc, N, P+R] (the chunk's
-        query rows) -> (o [Tc, N, V] in q's dtype, lse [N, Tc] float32)."""
+        query rows) -> (o [Tc, N, V] in q's dtype, lse [N, Tc] float32). `sites`: the
+        batch's resolved backends (mla_ext/prefill/backends.py), or NO_PLAN."""
+        where = f"chunk {c.index}"
         m = layer.model
         w_uk, w_uv_t = absorbed_weights(layer.kv_b_proj, m.num_heads, m.P, m.V, q.dtype, q.device)
         q_lat = absorb_queries(q[..., : m.P], w_uk)
         tick("kv_b_proj")
         rows = None
-        if layer.cp is not None or self.backend(q_lat, kv_cache, layer.spec.kv_cache_dtype,
-                                                t.cu_seq_lens) != "triton":
+        if layer.cp is not None or self.backend(q_lat, kv_cache, layer.spec.kv_cache_dtype, t.cu_seq_lens,
+                                                sites.site(("latent_attention probe", where))) != "triton":
             # The rows are gathered first (all-gathered under context parallelism; the
             # torch path reads gathered rows): the layer's own gather, timed as such.
-            layer._gather(kv_cache, workspace, metadata, c, t, scale)
+            layer._gather(kv_cache, workspace, metadata, c, t, scale, sites.site(("gather", where)))
             rows = workspace[: c.total_rows]
             tick("gather")
         o_lat, lse = latent_context_attention(
             q_lat, q[..., m.P:], kv_cache, layer.spec.kv_cache_dtype,
             metadata.block_table[c.req_start:c.req_end], t.cu_seqlens_q, t.cu_seq_lens, t.seq_starts, scale,
             layer.softmax_scale, q_offsets=c.cu_seqlens_q, ctx_offsets=c.cu_seq_lens, workspace=workspace,
-            rows=rows,
+            rows=rows, chosen=sites.site(("latent_attention", where)),
         )
         tick("attention")
         o = unabsorb(o_lat, w_uv_t)

@@ -56,6 +56,7 @@ from mla_ext.kv_b_proj.linear import KvBProj, activation_quantization
 from mla_ext.kv_b_proj.weights import WeightFormat
 from mla_ext.config.models import MLAModelConfig
 from mla_ext.config.policy import CacheConfig, LayerCacheSpec, check_bool, check_configs, resolve_layer
+from mla_ext.prefill import backends as planned
 from mla_ext.prefill.chunking import (
     plan_context_chunks,
     workspace_alignment,
@@ -167,6 +168,7 @@ class MLAPrefill:
             sinks = check_sinks(sinks, model.num_heads, where).detach().clone()
         self.sinks = sinks
         self._sinks_at: dict[torch.device, Tensor] = {}
+        self._backend_key: tuple | None = None  # planned.static_key(self), made on first use
 
     # -- plan ----------------------------------------------------------------
     @property
@@ -232,7 +234,22 @@ class MLAPrefill:
                              f"got {type(metadata).__name__} {metadata!r:.60}")
         device = as_device(device) if device is not None else metadata.block_table.device
         return "\n".join([f"layer {self.layer_index}: context chunks on {device}"]
-                         + self.context_attention.explain_chunks(self, metadata, device))
+                         + self.context_attention.explain_chunks(self, metadata, device)
+                         + self._explain_backends(metadata))
+
+    def _static_backend_key(self) -> tuple:
+        """The part of this layer's backend key fixed at construction (mla_ext/prefill/backends.py)."""
+        if self._backend_key is None:
+            self._backend_key = planned.static_key(self)
+        return self._backend_key
+
+    def _explain_backends(self, metadata: PrefillMetadata) -> list[str]:
+        """The op backends resolved for `metadata` by forwards of layers with this layer's key."""
+        mine = [b for k, b in metadata.resolved_backends().items() if k[0] == self._static_backend_key()]
+        if not mine:
+            return ["  backends: not resolved for this batch yet (the first forward resolves each op once)"]
+        return [f"  backends resolved for this batch (once, reused by every layer of this key): "
+                + ", ".join(b.describe()) for b in mine]
 
     def _linear_act_dtype(self) -> torch.dtype:
         return self.activation_dtype
@@ -372,8 +389,9 @@ class MLAPrefill:
         return self._sinks_at[device]
 
     # -- forward -------------------------------------------------------------
-    def _up_project(self, kv_c: Tensor) -> tuple[Tensor, Tensor]:
-        """kv_c [M, L] (any row stride) -> k_nope [M, N, P], v [M, N, V]."""
+    def _up_project(self, kv_c: Tensor, chosen=None) -> tuple[Tensor, Tensor]:
+        """kv_c [M, L] (any row stride) -> k_nope [M, N, P], v [M, N, V]. `chosen`: the call
+        site's backend, resolved once per batch (mla_ext/prefill/backends.py)."""
         m = self.model
         x_scale = None
         want = self.kv_b_proj_input_dtype
@@ -390,7 +408,7 @@ class MLAPrefill:
             x = kv_c.to(want)
         else:
             x = kv_c
-        kv = self.kv_b_proj(x, x_scale)
+        kv = self.kv_b_proj(x, x_scale, chosen=chosen)
         kv = kv.view(-1, m.num_heads, m.P + m.V)
         return kv[..., : m.P], kv[..., m.P :]
 
@@ -435,13 +453,14 @@ class MLAPrefill:
             cache_checks.check_no_overlap(given, "workspace", t, arg)
         return given
 
-    def _gather(self, kv_cache, workspace, metadata, c, t, scale) -> None:
-        """The chunk's context rows into workspace[:c.total_rows], dequantized."""
+    def _gather(self, kv_cache, workspace, metadata, c, t, scale, chosen=None) -> None:
+        """The chunk's context rows into workspace[:c.total_rows], dequantized (`chosen`: the
+        call site's backend, resolved once per batch)."""
         table = metadata.block_table[c.req_start:c.req_end]
         if self.cp is None:
             cache_api.gather_and_maybe_dequant_cache(
                 kv_cache, workspace[: c.total_rows], table, t.cu_seq_lens, c.num_reqs,
-                self.spec.kv_cache_dtype, scale, t.seq_starts,
+                self.spec.kv_cache_dtype, scale, t.seq_starts, chosen=chosen,
             )
         else:
             cp_gather_context(
@@ -505,10 +524,11 @@ class MLAPrefill:
             cache_checks.check_block_ids(bt, cu, len(lens), None, kv_cache.shape[0], B)
 
     def _context(self, q: Tensor, kv_cache: Tensor, metadata: PrefillMetadata, k_scale, workspace, scratch,
-                 tick, **reads: Tensor) -> tuple[Tensor, Tensor]:
+                 tick, sites=planned.NO_PLAN, **reads: Tensor) -> tuple[Tensor, Tensor]:
         """Every query against its request's cached context, chunk by chunk: (o [T, N, V]
         in q's dtype, natural-log LSE [N, T] fp32); (0, -inf) where a request has none.
-        `reads`: further inputs the caller still reads (kept disjoint from the workspace)."""
+        `reads`: further inputs the caller still reads (kept disjoint from the workspace); `sites`: the
+        batch's resolved backends (mla_ext/prefill/backends.py), NO_PLAN to dispatch every call."""
         m = self.model
         T = metadata.num_tokens
         device, dtype = q.device, q.dtype
@@ -520,28 +540,30 @@ class MLAPrefill:
             scale = self._k_scale(k_scale if k_scale is not None else metadata.k_scale, device)
             for c in plan.chunks:
                 t = metadata.chunk_tensors(c, device)
+                where = f"chunk {c.index}"
                 if self.context_attention.choose(c, device).path == "absorbed":
                     qs = slice(c.token_start, c.token_end)
                     o, lse = self.context_attention.run(self, q[qs], kv_cache, workspace, metadata, c, t,
-                                                        scale, tick)
+                                                        scale, tick, sites)
                     merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
-                                      out=acc_o[qs], out_lse=acc_lse[:, qs])
+                                      out=acc_o[qs], out_lse=acc_lse[:, qs], chosen=sites.site(("merge", where)))
                     tick("merge")
                     continue
                 rows = c.total_rows
-                self._gather(kv_cache, workspace, metadata, c, t, scale)
+                self._gather(kv_cache, workspace, metadata, c, t, scale, sites.site(("gather", where)))
                 tick("gather")
-                ck_nope, cv = self._up_project(workspace[:rows, : m.L])
+                ck_nope, cv = self._up_project(workspace[:rows, : m.L], sites.site(("kv_b_proj", where)))
                 tick("kv_b_proj")
                 ck_nope, ck_rope = self._keys(ck_nope, workspace[:rows, m.L :], dtype)
                 tick("keys")
                 qs = slice(c.token_start, c.token_end)
                 o, lse = varlen_attention(q[qs], ck_nope, cv.to(dtype), t.cu_seqlens_q, t.cu_seq_lens,
                                           c.max_query_len, c.max_seq_len, self.softmax_scale,
-                                          causal=False, k_rope=ck_rope, scratch=scratch)
+                                          causal=False, k_rope=ck_rope, scratch=scratch,
+                                          chosen=sites.site(("attention", where)))
                 tick("attention")
                 merge_attn_states(acc_o[qs], acc_lse[:, qs], o, lse,
-                                  out=acc_o[qs], out_lse=acc_lse[:, qs])
+                                  out=acc_o[qs], out_lse=acc_lse[:, qs], chosen=sites.site(("merge", where)))
                 tick("merge")
 
         return acc_o, acc_lse
@@ -569,8 +591,9 @@ class MLAPrefill:
         self.check_cache(kv_cache)
         self._check_table(metadata, kv_cache, self.validate if validate is None else validate)
         self._refuse_sparse_context(metadata)
+        sites = planned.for_forward(self, metadata, q, None, None, kv_cache, workspace)
         return self._context(q, kv_cache, metadata, k_scale, workspace, self._attention_scratch(q.device),
-                             _no_clock)
+                             _no_clock, sites=sites)
 
     def _refuse_sparse_context(self, metadata: PrefillMetadata) -> None:
         """forward_context attends every context key (the caller attends the new tokens densely and
@@ -677,26 +700,28 @@ class MLAPrefill:
         cu_q = metadata.cu_seqlens_q(device)
         max_q = max(metadata.query_lens, default=0)
         tick = clock.mark if clock is not None else _no_clock
+        # Each op's backend: resolved once per (layer key, batch plan), reused by every later call.
+        sites = planned.for_forward(self, metadata, q, kv_c_normed, k_pe, kv_cache, workspace)
         if clock is not None:
             clock.start()
 
         # 1. New tokens: causal attention over themselves.
-        k_nope, v = self._up_project(kv_c_normed)
+        k_nope, v = self._up_project(kv_c_normed, sites.site(("kv_b_proj", "new")))
         tick("kv_b_proj")
         k_nope, k_rope = self._keys(k_nope, k_pe, dtype)
         tick("keys")
         scratch = attention_scratch if attention_scratch is not None else self._attention_scratch(device)
         o_new, lse_new = varlen_attention(q, k_nope, v.to(dtype), cu_q, cu_q, max_q, max_q,
                                           self.softmax_scale, causal=True, k_rope=k_rope, scratch=scratch,
-                                          sinks=self._sinks_on(device))
+                                          sinks=self._sinks_on(device), chosen=sites.site(("attention", "new")))
         tick("attention")
 
         # 2. Context, chunk by chunk, merged into (0, -inf).
         acc_o, acc_lse = self._context(q, kv_cache, metadata, k_scale, workspace, scratch, tick,
-                                       kv_c_normed=kv_c_normed, k_pe=k_pe)
+                                       kv_c_normed=kv_c_normed, k_pe=k_pe, sites=sites)
 
         # 3. Context result merged with the new-token result.
-        out, _ = merge_attn_states(acc_o, acc_lse, o_new, lse_new)
+        out, _ = merge_attn_states(acc_o, acc_lse, o_new, lse_new, chosen=sites.site(("merge", "new")))
         tick("merge")
         return out
 

@@ -50,15 +50,16 @@ class PrefillMetadata:
     (block ids mean different token ranges there). Pass it: without it that
     mistake cannot be detected.
 
-    Immutable: layers share the chunk plans and device copies cached here,
-    keyed on what each depends on (`plan`: workspace rows and alignment;
-    `chunk_tensors`: the chunk and the device; `cu_seqlens_q`: the device), so
+    Immutable: layers share the chunk plans, device copies and op backends cached
+    here, keyed on what each depends on (`plan`: workspace rows and alignment;
+    `chunk_tensors`: the chunk and the device; `cu_seqlens_q`: the device;
+    `backends`: the layer key of mla_ext/prefill/backends.py), so
     assigning a field would leave them stale. Build a new PrefillMetadata for a
     new batch; assigning or deleting an attribute raises ValueError.
     """
 
     __slots__ = ("block_table", "context_lens", "query_lens", "k_scale", "block_size",
-                 "max_context_len", "_plans", "_cu_q", "_chunk_t")
+                 "max_context_len", "_plans", "_cu_q", "_chunk_t", "_backends")
 
     def __init__(self, block_table: Tensor, context_lens, query_lens, k_scale: Tensor | None = None,
                  *, block_size: int | None = None):
@@ -95,6 +96,7 @@ class PrefillMetadata:
         init(self, "_plans", {})
         init(self, "_cu_q", {})
         init(self, "_chunk_t", {})
+        init(self, "_backends", {})
 
     def __setattr__(self, name, value):
         raise ValueError(
@@ -126,6 +128,19 @@ class PrefillMetadata:
         if key not in self._plans:
             self._plans[key] = plan_context_chunks(self.context_lens, self.query_lens, rows, alignment)
         return self._plans[key]
+
+    def backends(self, key, make):
+        """The op backends resolved for this batch under a layer key (mla_ext/prefill/backends.py):
+        made by `make()` on the key's first forward, shared by every later call of this batch with
+        the same key (layers of the same spec, the same caller tensors' layout, the same dispatch state)."""
+        hit = self._backends.get(key)
+        if hit is None:
+            hit = self._backends[key] = make()
+        return hit
+
+    def resolved_backends(self) -> dict:
+        """{layer key: BatchBackends} resolved so far for this batch (for explain and the tests)."""
+        return dict(self._backends)
 
     def cu_seqlens_q(self, device) -> Tensor:
         device = torch.device(device)
