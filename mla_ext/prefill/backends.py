@@ -29,21 +29,32 @@ from mla_ext.attention.latent import LATENT
 from mla_ext.cache.api import GATHER
 from mla_ext.dispatch import Chosen, dispatch_state
 from mla_ext.kv_b_proj.linear import DISPATCH as KV_B_PROJ
+from mla_ext.sparse.index_cache_backends import INDEX_GATHER
+from mla_ext.sparse.sparse_attention import SPARSE
 
 RESOLVE_ONCE = True
 
-# The dispatchers a dense MLAPrefill forward reaches (the sparse path dispatches per call).
-LAYER_DISPATCHERS = (GATHER, KV_B_PROJ, ATTENTION, MERGE, LATENT)
+# The dispatchers an MLAPrefill forward reaches (dense: the first five; sparse: the index gather and
+# the sparse latent attention).
+LAYER_DISPATCHERS = (GATHER, KV_B_PROJ, ATTENTION, MERGE, LATENT, INDEX_GATHER, SPARSE)
 
 
 class BatchBackends:
     """One layer key's call sites in one batch: site key (e.g. ("attention", chunk index)) ->
-    a Chosen, resolved at its first call."""
+    a Chosen, resolved at its first call; and choices made outside a dispatcher (the indexer's
+    scorer) -> their value."""
 
-    __slots__ = ("sites",)
+    __slots__ = ("sites", "values")
 
     def __init__(self) -> None:
         self.sites: dict[Hashable, Chosen] = {}
+        self.values: dict[Hashable, object] = {}
+
+    def value(self, key: Hashable, make):
+        """A choice that is not a dispatcher's (a plain function of the layer's inputs), made once."""
+        if key not in self.values:
+            self.values[key] = make()
+        return self.values[key]
 
     def site(self, key: Hashable) -> Chosen:
         c = self.sites.get(key)
@@ -57,6 +68,7 @@ class BatchBackends:
         for (op, where), c in self.sites.items():
             if c.backend is not None:
                 out.append(f"{op}[{where}] = {c.backend.name}")
+        out += [f"{op}[{where}] = {v}" for (op, where), v in self.values.items()]
         return out
 
 
@@ -91,6 +103,10 @@ class NoPlan:
     @staticmethod
     def site(key: Hashable) -> None:
         return None
+
+    @staticmethod
+    def value(key: Hashable, make):
+        return make()
 
     @staticmethod
     def describe() -> list[str]:

@@ -689,7 +689,8 @@ class MLAPrefill:
                                  "sinks yet (refused rather than silently dropped)")
 
             check_index_inputs(self.sparse, index, kv_cache, q)
-            return sparse_forward(self, q, kv_c_normed, k_pe, kv_cache, metadata, index, k_scale)
+            return sparse_forward(self, q, kv_c_normed, k_pe, kv_cache, metadata, index, k_scale,
+                                  planned.for_forward(self, metadata, q, kv_c_normed, k_pe, kv_cache, None))
         # Dense from here. For a sparse layer this is reached only when every request with new tokens
         # has context + new <= index_topk (`SparseConfig.drops` is False): its last query sees
         # context + new keys, every earlier one fewer, so the indexer's top index_topk of a query's

@@ -29,6 +29,7 @@ from torch import Tensor
 from mla_ext._args import check_no_meta
 from mla_ext.attention.latent import absorb_queries, absorbed_weights, unabsorb
 from mla_ext.config.sparse import SPARSE_KEYS, SparseConfig
+from mla_ext.prefill.backends import NO_PLAN
 from mla_ext.sparse.index_cache import check_index_cache as check_index_cache_format
 from mla_ext.sparse.sparse_attention import sparse_latent_attention
 from mla_ext.sparse.topk import indexer_topk
@@ -53,8 +54,10 @@ def indexer_backend(q: Tensor) -> str:
 
 
 def sparse_forward(layer, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache: Tensor, metadata,
-                   index: IndexInputs, k_scale: Tensor | None) -> Tensor:
-    """[T, N, V]: the sparse layer's output (arguments already checked by MLAPrefill.forward)."""
+                   index: IndexInputs, k_scale: Tensor | None, sites=NO_PLAN) -> Tensor:
+    """[T, N, V]: the sparse layer's output (arguments already checked by MLAPrefill.forward). `sites`:
+    the batch's resolved backends (mla_ext/prefill/backends.py): the indexer's scorer, its index
+    gather and the sparse attention are each chosen once per (layer key, batch plan)."""
     cfg, m = layer.sparse, layer.model
     T, dev = q.shape[0], q.device
     ctx, qls = list(metadata.context_lens), list(metadata.query_lens)
@@ -72,7 +75,8 @@ def sparse_forward(layer, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache
                              f"{tuple(index.q.shape)}, {tuple(index.weights.shape)}, {tuple(index.k.shape)}")
         sel = indexer_topk(index.q, index.weights, index.k, index.cache, metadata.block_table, qls, ctx,
                            cfg.index_topk, index_cache_dtype=cfg.index_cache_dtype, chunk=cfg.chunk,
-                           backend=indexer_backend(index.q))
+                           backend=sites.value(("indexer", "new"), lambda: indexer_backend(index.q)),
+                           chosen=sites.site(("index_gather", "new")))
     else:
         raise ValueError(f"index: expected mla_ext.prefill.sparse.IndexInputs or a selection tensor, got "
                          f"{type(index).__name__}")
@@ -80,7 +84,8 @@ def sparse_forward(layer, q: Tensor, kv_c_normed: Tensor, k_pe: Tensor, kv_cache
     q_lat = absorb_queries(q[..., :m.P], w_uk)
     scale = layer._k_scale(k_scale if k_scale is not None else metadata.k_scale, dev)
     o_lat, _ = sparse_latent_attention(q_lat, q[..., m.P:], kv_cache, layer.kv_cache_dtype, metadata.block_table,
-                                       sel, kv_c_normed, k_pe, scale, layer.softmax_scale, q_lens=qls, ctx_lens=ctx)
+                                       sel, kv_c_normed, k_pe, scale, layer.softmax_scale, q_lens=qls, ctx_lens=ctx,
+                                       chosen=sites.site(("sparse_attention", "new")))
     layer.last_selection = sel  # for inspection and tests
     return unabsorb(o_lat, w_uv_t)
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from mla_ext._args import check_no_meta
+from mla_ext.dispatch import Chosen
 from mla_ext.config.index_formats import (  # noqa: F401  (re-exported: the formats by the ops)
     ALIASES, E4M3_MAX, FORMATS, MIN_SCALE, IndexCacheFormat, IndexCacheSpec, get_index_format)
 from mla_ext.sparse.index_cache_backends import INDEX_GATHER, INDEX_WRITE, IndexGatherInputs, IndexWriteInputs
@@ -106,7 +107,7 @@ def indexer_k_quant_and_cache(k: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
 
 def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, index_cache_dtype="bfloat16", *,
                       seq_starts: Tensor | None = None, head_dim: int | None = None,
-                      out: Tensor | None = None) -> Tensor:
+                      out: Tensor | None = None, chosen: Chosen | None = None) -> Tensor:
     """Dequantized keys float32 [cu_seq_lens[-1], D]: row cu_seq_lens[r] + i = token seq_starts[r] + i of r.
     Runs the first usable backend of index_cache_backends.INDEX_GATHER; on CUDA out-of-range block ids
     read zero rows (no host check), on the CPU they raise ValueError."""
@@ -122,7 +123,7 @@ def gather_index_keys(cache: Tensor, block_table: Tensor, cu_seq_lens: Tensor, i
             raise ValueError(f"out: expected {rows} rows (cu_seq_lens[-1]), got {out.shape[0]}")
     if out is None:
         out = torch.empty(int(cu_seq_lens[-1]), D, dtype=torch.float32, device=cache.device)
-    INDEX_GATHER(IndexGatherInputs(cache, block_table, cu_seq_lens, fmt, seq_starts, D, out))
+    INDEX_GATHER.run(IndexGatherInputs(cache, block_table, cu_seq_lens, fmt, seq_starts, D, out), chosen)
     return out
 
 

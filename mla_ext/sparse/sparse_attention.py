@@ -23,7 +23,7 @@ from mla_ext._args import check_no_meta
 from mla_ext.attention import triton_latent as TL
 from mla_ext.cache.checks import check_cache_dtype
 from mla_ext.cache.reference import decode_cache_rows
-from mla_ext.dispatch import Backend, Dispatcher
+from mla_ext.dispatch import Backend, Chosen, Dispatcher
 from mla_ext.config.formats import QuantMode, get_format
 from mla_ext.attention.latent import latent_outputs
 from mla_ext.dispatch import report_device
@@ -149,6 +149,7 @@ def _lens(values, name: str) -> tuple[int, ...]:
 def sparse_latent_attention(
     q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, kv_cache_dtype: str, block_table: Tensor, indices: Tensor,
     new_kv_c: Tensor, new_k_pe: Tensor, k_scale: Tensor | None, softmax_scale: float, *, q_lens, ctx_lens,
+    chosen: Chosen | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(o_lat [N, T, L] q_lat's dtype, lse [N, T] float32): token t attends exactly indices[t]
     (int32 [T, K], request-local positions, -1 = none; positions past ctx + q_len are no key).
@@ -156,7 +157,8 @@ def sparse_latent_attention(
     q_lat [N, T, L] absorbed q_nope; q_pe [T, N, R]; kv_cache [num_blocks, B, entry] in
     `kv_cache_dtype`; block_table int32 [num_reqs, max_blocks]; new_kv_c [T, L], new_k_pe
     [T, R] the new tokens' latent rows; k_scale fp32 [1] for per-tensor fp8 formats;
-    q_lens / ctx_lens host ints per request."""
+    q_lens / ctx_lens host ints per request. `chosen`: the call site's backend when resolved once
+    per batch (mla_ext/prefill/backends.py); None dispatches."""
     q_lens, ctx_lens = _lens(q_lens, "q_lens"), _lens(ctx_lens, "ctx_lens")
     _check(q_lat.dim() == 3, f"q_lat: expected [N, T, L], got {tuple(q_lat.shape)}")
     N, T, L = q_lat.shape
@@ -185,7 +187,7 @@ def sparse_latent_attention(
         _check(t.device == q_lat.device, f"{name}: expected device {q_lat.device} (q_lat's), got {t.device}")
     x = SparseInputs(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, indices, q_lens, ctx_lens, new_kv_c,
                      new_k_pe, k_scale, float(softmax_scale))
-    return SPARSE(x)
+    return SPARSE.run(x, chosen)
 
 
 def backend_report(device=None) -> list[tuple[str, str, list[str]]]:

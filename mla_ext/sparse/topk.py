@@ -21,7 +21,7 @@ from torch import Tensor
 
 from mla_ext._args import check_no_meta
 from mla_ext.config.sparse import DEFAULT_CHUNK
-from mla_ext.dispatch import report_device
+from mla_ext.dispatch import Chosen, report_device
 from mla_ext.sparse.index_cache import check_index_cache, gather_index_keys, get_index_format
 from mla_ext.sparse.reference import PAD, check_lens
 
@@ -74,12 +74,15 @@ def indexer_topk(
     compute_dtype: torch.dtype = torch.float32,
     backend: str = "torch",
     out: Tensor | None = None,
+    chosen: Chosen | None = None,
 ) -> Tensor:
     """int32 [T, topk] selected positions per new token (request-local index space, -1 padded).
 
     backend "torch": each chunk's context keys are gathered (dequantized) into a [chunk, D]
     workspace and scored with einsum in `compute_dtype`; "triton": mla_ext/sparse/triton_indexer.py
-    scores the chunk reading the paged cache directly (fp32 scores)."""
+    scores the chunk reading the paged cache directly (fp32 scores). `chosen`: the index gather's
+    backend, resolved at its first call and reused by every chunk's (the layer resolves it once per
+    batch: mla_ext/prefill/backends.py); None dispatches every gather."""
     T = q_idx.shape[0]
     check_lens(T, q_lens, ctx_lens)
     if q_idx.dim() != 3 or w.shape != q_idx.shape[:2] or k_new.shape != (T, q_idx.shape[2]):
@@ -132,7 +135,7 @@ def indexer_topk(
                         None if block_table is None else block_table[r], k_new[start:start + qn], c, p0, p1,
                         c + b0, qbs).to(compute_dtype)
                 else:
-                    keys = _keys(index_cache, block_table, r, c, p0, p1, kn_all[start:start + qn], fmt, D, dev)
+                    keys = _keys(index_cache, block_table, r, c, p0, p1, kn_all[start:start + qn], fmt, D, dev, chosen)
                     s = score_chunk_torch(q, wr, keys).to(compute_dtype)
                 s = s.masked_fill(torch.arange(p0, p1, device=dev)[None, :] > qpos[:, None], float("-inf"))
                 vals, idx = merge_topk(vals, idx, s, p0, topk)
@@ -143,7 +146,7 @@ def indexer_topk(
     return out
 
 
-def _keys(cache, block_table, r, c, p0, p1, k_new_r, fmt, D, dev) -> Tensor:
+def _keys(cache, block_table, r, c, p0, p1, k_new_r, fmt, D, dev, chosen=None) -> Tensor:
     """Keys of positions [p0, p1) of request r: context ones gathered (dequantized) from the
     paged cache, new ones from k_new_r."""
     parts = []
@@ -151,7 +154,7 @@ def _keys(cache, block_table, r, c, p0, p1, k_new_r, fmt, D, dev) -> Tensor:
         n = min(p1, c) - p0
         cu = torch.tensor([0, n], dtype=torch.int32)
         parts.append(gather_index_keys(cache, block_table[r:r + 1], cu, fmt, seq_starts=torch.tensor(
-            [p0], dtype=torch.int32), head_dim=D).to(dev))
+            [p0], dtype=torch.int32), head_dim=D, chosen=chosen).to(dev))
     if p1 > c:
         parts.append(k_new_r[max(p0, c) - c: p1 - c])
     return parts[0] if len(parts) == 1 else torch.cat([parts[0].to(parts[1].dtype), parts[1]])

@@ -132,3 +132,31 @@ def test_public_ops_still_dispatch_per_call(resolutions):
     for _ in range(2):
         layers[0].kv_b_proj(x)
     assert resolutions["kv_b_proj"] == 2
+
+
+def test_sparse_path_resolves_each_op_once_per_batch(resolutions, monkeypatch):
+    """A sparse (DSA) layer past index_topk: the index gather (one per request and key chunk) and the
+    sparse latent attention are each resolved once for the batch, not per chunk or per layer."""
+    from dataclasses import replace
+
+    from helpers.prefill import BLOCK
+    from helpers.sparse_routing import SPARSE, SPARSE_TINY, batch_for, past, weight
+
+    cfg = replace(SPARSE, chunk=4)  # several key chunks, so several index gathers per request
+    layers = [MLAPrefill(SPARSE_TINY, CacheConfig("auto", block_size=BLOCK), weight(SPARSE_TINY, seed=i), layer=1,
+                         sparse=cfg, workspace_rows_override=32, max_num_seqs=8) for i in range(2)]
+    q, kv_c, k_pe, cache, meta, index = batch_for(layers[0], **past(cfg.index_topk))
+    assert cfg.drops(meta.context_lens, meta.query_lens)
+    resolutions.clear()
+    first = layers[0](q, kv_c, k_pe, cache, meta, index=index)
+    assert resolutions["index_gather"] == 1 and resolutions["sparse_latent_attention"] == 1, resolutions
+    resolutions.clear()
+    layers[1](q, kv_c, k_pe, cache, meta, index=index)
+    assert sum(resolutions.values()) == 0, resolutions  # same spec, same batch
+    (record,) = meta.resolved_backends().values()
+    assert {op for op, _ in record.sites} == {"index_gather", "sparse_attention"}
+    assert record.values[("indexer", "new")] == "torch"
+
+    monkeypatch.setattr(planned, "RESOLVE_ONCE", False)
+    again = layers[0](q, kv_c, k_pe, cache, batch_for(layers[0], **past(cfg.index_topk))[4], index=index)
+    assert torch.equal(again, first)
