@@ -291,15 +291,6 @@ void check_index_tensor(const at::Tensor& t, const at::Tensor& cache, int64_t di
   check_same_device(t, cache, arg);
 }
 
-// The ops' trailing `kernel` argument: which CUDA kernel runs (0: the newest,
-// the default; 1: the previous one, kept until a GPU has measured both). The
-// CPU kernels ignore it; any other value is an error on every device.
-int32_t kernel_choice(int64_t kernel) {
-  TORCH_CHECK_VALUE(kernel == 0 || kernel == 1, "kernel: expected 0 (default CUDA kernel) or 1 (the previous "
-                    "one), got ", kernel);
-  return static_cast<int32_t>(kernel);
-}
-
 // Fields common to both gathers; `kind`, `dst_type` and `row_bytes` are the caller's.
 cache::GatherParams gather_params(const at::Tensor& src_cache, const at::Tensor& dst,
                                   const at::Tensor& block_table, const at::Tensor& cu_seq_lens,
@@ -499,8 +490,7 @@ cache::KvScaleParams kv_scale_params(const at::Tensor& kv_c, const at::Tensor& k
 
 void concat_and_cache_mla_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
                               const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
-                              const at::Tensor& k_scale, int64_t kernel) {
-  kernel_choice(kernel);
+                              const at::Tensor& k_scale) {
   cache::write_cpu(write_params(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale));
 }
 
@@ -508,22 +498,19 @@ void gather_and_maybe_dequant_cache_cpu(const at::Tensor& src_cache, const at::T
                                         const at::Tensor& block_table, const at::Tensor& cu_seq_lens,
                                         int64_t num_reqs, const std::string& kv_cache_dtype,
                                         const at::Tensor& k_scale,
-                                        const std::optional<at::Tensor>& seq_starts, int64_t kernel) {
-  kernel_choice(kernel);
+                                        const std::optional<at::Tensor>& seq_starts) {
   cache::gather_cpu(dequant_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs,
                                           kv_cache_dtype, k_scale, seq_starts));
 }
 
 void cp_gather_cache_cpu(const at::Tensor& src_cache, const at::Tensor& dst, const at::Tensor& block_table,
                          const at::Tensor& cu_seq_lens, int64_t num_reqs,
-                         const std::optional<at::Tensor>& seq_starts, int64_t kernel) {
-  kernel_choice(kernel);
+                         const std::optional<at::Tensor>& seq_starts) {
   cache::gather_cpu(cp_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts));
 }
 
 at::Tensor compute_kv_scale_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe,
-                                const std::string& kv_cache_dtype, int64_t kernel) {
-  kernel_choice(kernel);
+                                const std::string& kv_cache_dtype) {
   at::Tensor out;
   const cache::KvScaleParams p = kv_scale_params(kv_c, k_pe, kv_cache_dtype, &out);
   if (scale_kind(parse_format_or_throw(kv_cache_dtype, "kv_cache_dtype")) != ScaleKind::kPerTensor) {
@@ -545,9 +532,8 @@ void* cache_stream(const at::Tensor& t) {
 
 void concat_and_cache_mla_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
                                const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
-                               const at::Tensor& k_scale, int64_t kernel) {
-  cache::WriteParams p = write_params(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale);
-  p.kernel = static_cast<cache::WriteKernel>(kernel_choice(kernel));
+                               const at::Tensor& k_scale) {
+  const cache::WriteParams p = write_params(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale);
   c10::cuda::CUDAGuard guard(kv_cache.device());
   if (p.num_tokens > 0) check_launch(cache::write_cuda(p, cache_stream(kv_cache)), "concat_and_cache_mla");
 }
@@ -556,10 +542,9 @@ void gather_and_maybe_dequant_cache_cuda(const at::Tensor& src_cache, const at::
                                          const at::Tensor& block_table, const at::Tensor& cu_seq_lens,
                                          int64_t num_reqs, const std::string& kv_cache_dtype,
                                          const at::Tensor& k_scale,
-                                         const std::optional<at::Tensor>& seq_starts, int64_t kernel) {
-  cache::GatherParams p = dequant_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs,
-                                                kv_cache_dtype, k_scale, seq_starts);
-  p.kernel = static_cast<cache::GatherKernel>(kernel_choice(kernel));
+                                         const std::optional<at::Tensor>& seq_starts) {
+  const cache::GatherParams p = dequant_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs,
+                                                      kv_cache_dtype, k_scale, seq_starts);
   c10::cuda::CUDAGuard guard(src_cache.device());
   if (p.num_reqs > 0 && p.dst_rows > 0)
     check_launch(cache::gather_cuda(p, cache_stream(src_cache)), "gather_and_maybe_dequant_cache");
@@ -567,20 +552,17 @@ void gather_and_maybe_dequant_cache_cuda(const at::Tensor& src_cache, const at::
 
 void cp_gather_cache_cuda(const at::Tensor& src_cache, const at::Tensor& dst, const at::Tensor& block_table,
                           const at::Tensor& cu_seq_lens, int64_t num_reqs,
-                          const std::optional<at::Tensor>& seq_starts, int64_t kernel) {
-  cache::GatherParams p = cp_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts);
-  p.kernel = static_cast<cache::GatherKernel>(kernel_choice(kernel));
+                          const std::optional<at::Tensor>& seq_starts) {
+  const cache::GatherParams p = cp_gather_params(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts);
   c10::cuda::CUDAGuard guard(src_cache.device());
   if (p.num_reqs > 0 && p.dst_rows > 0) check_launch(cache::gather_cuda(p, cache_stream(src_cache)), "cp_gather_cache");
 }
 
 at::Tensor compute_kv_scale_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe,
-                                 const std::string& kv_cache_dtype, int64_t kernel) {
-  const cache::WriteKernel which = static_cast<cache::WriteKernel>(kernel_choice(kernel));
+                                 const std::string& kv_cache_dtype) {
   c10::cuda::CUDAGuard guard(kv_c.device());
   at::Tensor out;
-  cache::KvScaleParams p = kv_scale_params(kv_c, k_pe, kv_cache_dtype, &out);
-  p.kernel = which;
+  const cache::KvScaleParams p = kv_scale_params(kv_c, k_pe, kv_cache_dtype, &out);
   if (scale_kind(parse_format_or_throw(kv_cache_dtype, "kv_cache_dtype")) != ScaleKind::kPerTensor) {
     out.fill_(1.0);
     return out;
@@ -594,17 +576,15 @@ at::Tensor compute_kv_scale_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe,
 }  // namespace mla_ext
 
 TORCH_LIBRARY_FRAGMENT(mla_ext, m) {
-  // Argument order follows the upstream engine's ops of the same names. The
-  // trailing `kernel` picks the CUDA kernel (0: the newest, 1: the previous;
-  // see kernel_choice); the CPU kernels ignore it.
+  // Argument order follows the upstream engine's ops of the same names.
   m.def("concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
-        "str kv_cache_dtype, Tensor k_scale, int kernel=0) -> ()");
+        "str kv_cache_dtype, Tensor k_scale) -> ()");
   m.def("gather_and_maybe_dequant_cache(Tensor src_cache, Tensor(a!) dst, Tensor block_table, "
         "Tensor cu_seq_lens, int num_reqs, str kv_cache_dtype, Tensor k_scale, "
-        "Tensor? seq_starts=None, int kernel=0) -> ()");
+        "Tensor? seq_starts=None) -> ()");
   m.def("cp_gather_cache(Tensor src_cache, Tensor(a!) dst, Tensor block_table, Tensor cu_seq_lens, "
-        "int num_reqs, Tensor? seq_starts=None, int kernel=0) -> ()");
-  m.def("compute_kv_scale(Tensor kv_c, Tensor k_pe, str kv_cache_dtype, int kernel=0) -> Tensor");
+        "int num_reqs, Tensor? seq_starts=None) -> ()");
+  m.def("compute_kv_scale(Tensor kv_c, Tensor k_pe, str kv_cache_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mla_ext, CPU, m) {
@@ -775,13 +755,13 @@ at::Tensor marlin_fp8_dequantize(const at::Tensor& qweight, const at::Tensor& sc
 }
 
 // C[M, N] = a[M, K] · dequant(W)^T. `a` may be a row-strided view (stride(0) >= K,
-// stride(1) == 1). CPU: the packed-layout reference; CUDA: the mma.sync kernel,
-// version 2 (split-K, marlin_fp8_gemm_v2.cu; split_k 0 = chosen from the shapes
-// and the SM count) or version 1 (marlin_fp8_gemm.cu, no split). On the CPU the
-// reference reproduces version 2's slicing (split_k 0 there: one slice).
+// stride(1) == 1). CPU: the packed-layout reference; CUDA: the split-K mma.sync
+// kernel (marlin_fp8_gemm_v2.cu; split_k 0 = chosen from the shapes and the SM
+// count). On the CPU the reference reproduces the kernel's slicing (split_k 0
+// there: one slice).
 at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Tensor& scales, int64_t N,
                            int64_t K, int64_t group_size, c10::ScalarType act_dtype,
-                           std::optional<c10::ScalarType> out_dtype, int64_t version, int64_t split_k) {
+                           std::optional<c10::ScalarType> out_dtype, int64_t split_k) {
   const mf::ActKind act = marlin_act_kind(act_dtype, "act_dtype");
   marlin_check_packed(qweight, scales, N, K, group_size, act_dtype);
   TORCH_CHECK_VALUE(a.scalar_type() == act_dtype, "a: expected dtype ", act_dtype,
@@ -793,12 +773,8 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   const c10::ScalarType odt = out_dtype.value_or(act_dtype);
   TORCH_CHECK_VALUE(odt == at::kBFloat16 || odt == at::kHalf || odt == at::kFloat,
                     "out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got ", odt);
-  TORCH_CHECK_VALUE(version == 1 || version == 2, "version: expected 1 or 2 (the Marlin GEMM kernel), got ",
-                    version);
   TORCH_CHECK_VALUE(split_k >= 0 && split_k <= mf::kV2MaxSplit, "split_k: expected 0 (automatic) to ",
                     mf::kV2MaxSplit, ", got ", split_k);
-  TORCH_CHECK_VALUE(version == 2 || split_k == 0, "split_k: version 1 has no split-K (expected 0), got ",
-                    split_k);
   const int64_t M = a.size(0);
   mf::GemmParams p{};
   p.a = reinterpret_cast<const uint16_t*>(a.data_ptr());
@@ -807,8 +783,8 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   p.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   p.M = M, p.N = N, p.K = K, p.group_size = group_size, p.act = act;
   if (a.is_cpu()) {
-    // No SM count on the CPU: split_k 0 is one slice (v1's summation order).
-    p.slice_tiles = version == 2 ? mf::plan_v2(M, N, K, group_size, 0, split_k).slice_tiles : 0;
+    // No SM count on the CPU: split_k 0 is one slice.
+    p.slice_tiles = mf::plan_v2(M, N, K, group_size, 0, split_k).slice_tiles;
     at::Tensor c = at::empty({M, N}, a.options().dtype(at::kFloat));
     p.c = c.data_ptr<float>();
     p.ldc = N;
@@ -829,10 +805,6 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   p.out = odt == at::kFloat ? mf::OutKind::kFp32 : (odt == at::kHalf ? mf::OutKind::kFp16 : mf::OutKind::kBf16);
   c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  if (version == 1) {
-    marlin_check_launch(mf::marlin_fp8_gemm_cuda(p, stream), "marlin_fp8_gemm");
-    return c;
-  }
   const mf::GemmV2Plan plan =
       mf::plan_v2(M, N, K, group_size, mf::marlin_fp8_device_sm_count(a.device().index()), split_k);
   p.slice_tiles = plan.slice_tiles;
@@ -858,7 +830,7 @@ TORCH_LIBRARY_FRAGMENT(mla_ext, m) {
   m.def("marlin_fp8_dequantize(Tensor qweight, Tensor scales, int N, int K, int group_size, "
         "ScalarType act_dtype) -> Tensor");
   m.def("marlin_fp8_gemm(Tensor a, Tensor qweight, Tensor scales, int N, int K, int group_size, "
-        "ScalarType act_dtype, ScalarType? out_dtype=None, int version=2, int split_k=0) -> Tensor");
+        "ScalarType act_dtype, ScalarType? out_dtype=None, int split_k=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mla_ext, CPU, m) {

@@ -1,5 +1,5 @@
-// Lane-level pieces of the vectorised cache writer (write.cu write_vec_kernel,
-// WriteKernel::kVector) and of its kv-scale amax (amax_rows_kernel), shared
+// Lane-level pieces of the vectorised cache writer (write.cu write_vec_kernel)
+// and of its kv-scale amax (amax_rows_kernel), shared
 // with the host emulator (csrc/cache/paged_gather_emulator.cpp) that the tests
 // run against the CPU kernel on machines without a GPU.
 //
