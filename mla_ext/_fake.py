@@ -1,4 +1,4 @@
-"""Fake (meta) kernels for every tensor op in csrc/bindings.cpp.
+"""Fake (meta) kernels for every tensor op of csrc/registration.cpp.
 
 torch.compile traces ops through these: they compute output shapes/dtypes and
 never touch data. Ops that only mutate their arguments return None.

@@ -1,5 +1,5 @@
 // Torch-free parameter structs and launchers of the paged latent cache ops
-// (SPEC §2, §6). csrc/bindings.cpp fills these from tensors after checking
+// (SPEC §2, §6). csrc/cache/cache_ops.cpp fills these from tensors after checking
 // them; cache_cpu.cpp, write.cu and gather_paged.cu implement the launchers.
 //
 // Out-of-range policy (every backend): a gathered row whose token is negative,

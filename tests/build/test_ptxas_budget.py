@@ -346,7 +346,7 @@ build(quant._quant_kernel, q_sig, dict(GROUP=quant.GROUP, BLOCK_M=16, FP8_OUT=Tr
 # latent attention, the cache writer and KV scale), compiled
 # from the launches tests/build/triton_specialization_probe.py records (nothing runs): the
 # signature and specialization a GPU run would compile.
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/build")
 import triton_specialization_probe as probe
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature

@@ -46,7 +46,7 @@ def test_one_specialization_per_config_and_aot_compile_for_sm90(which):
         from test_ptxas_budget import triton36_folder
 
         env["PYTHONPATH"] = os.pathsep.join([str(triton36_folder())] + [p for p in [env.get("PYTHONPATH")] if p])
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "triton_specialization_probe.py"), "--compile"],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "build", "triton_specialization_probe.py"), "--compile"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
         pytest.skip("Triton's ptxas is not available")

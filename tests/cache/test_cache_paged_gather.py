@@ -1,7 +1,7 @@
 """The page-granular gathers and the vectorised writer (issue 14) against the CPU kernel.
 
 Without a GPU the CUDA kernels' own code runs in a host emulator:
-csrc/cache/paged_gather_emulator.cpp, built here with the system C++ compiler,
+tests/cache/emulator/paged_gather_emulator.cpp, built here with the system C++ compiler,
 runs csrc/cache/paged_gather.h / write_lanes.h / vec.h thread by thread (the
 kernels' phases separated as their __syncthreads and shuffles separate them);
 only the few device instructions behind __CUDA_ARCH__ are replaced by the
@@ -57,7 +57,7 @@ FORMAT_ID = {"auto": 0, "bfloat16": 1, "float16": 2, "fp8": 3, "fp8_e4m3": 3, "f
 
 # -- the emulator ----------------------------------------------------------------
 
-EMU_SRC = os.path.join(ROOT, "csrc", "cache", "paged_gather_emulator.cpp")
+EMU_SRC = os.path.join(ROOT, "tests", "cache", "emulator", "paged_gather_emulator.cpp")
 
 
 def _emu_sources() -> list[str]:
@@ -98,7 +98,7 @@ def _ptr(t):
 
 
 def emulate_gather(lib, cache, dst, bt, cu, num_reqs, fmt_name, k_scale, starts, rounds=0):
-    """gather_cuda_paged on the host, with the parameters csrc/bindings.cpp would pass.
+    """gather_cuda on the host, with the parameters csrc/cache/cache_ops.cpp would pass.
     fmt_name None: cp_gather_cache. Returns (decoder name, rows per CTA)."""
     raw = fmt_name is None or dst.dtype == cache.dtype
     if raw:

@@ -1,7 +1,8 @@
 // Host emulator of the vectorised CUDA cache kernels, for tests on machines
-// without a GPU (tests/test_cache_paged_gather.py builds it with g++ into a
-// small shared library and calls it through ctypes; it is not part of the
-// extension: setup.py and CMake only take *_cpu.cpp and *.cu files).
+// without a GPU (tests/cache/test_cache_paged_gather.py builds it with g++,
+// -I csrc, into a small shared library under pytest's tmp dir and calls it
+// through ctypes). It lives under tests/, outside the product tree, and is
+// never part of the extension (setup.py and CMake compile csrc/ only).
 //
 // It runs exactly the code the kernels run (csrc/cache/paged_gather.h,
 // csrc/cache/write_lanes.h, csrc/cache/vec.h) with each CUDA thread executed
