@@ -99,7 +99,9 @@ def _extensions():
 
     print(f"[mla_ext] CUDA kernels: {'yes, toolkit ' + why if use_cuda else 'no (' + why + ')'}")
 
-    cpu_sources = ["csrc/bindings.cpp"] + sorted(glob.glob("csrc/**/*_cpu.cpp", recursive=True))
+    # The schema file, each stage's torch binding (*_ops.cpp) and the torch-free CPU kernels (*_cpu.cpp).
+    cpu_sources = ["csrc/registration.cpp"] + sorted(
+        glob.glob("csrc/**/*_ops.cpp", recursive=True) + glob.glob("csrc/**/*_cpu.cpp", recursive=True))
     cxx = ["-O3", "-std=c++20", "-g0", "-fopenmp", "-Wno-unused-function"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not use_cuda:

@@ -12,12 +12,10 @@ roofline measured in the same run (gpt-fast / Triton-tutorial style):
            (half read, half written): the practical ceiling;
   torch  = what a user writes without this library: `index_select` of each
            request's pages, slice the tokens, dequantize in torch;
-  then every usable backend of the op: on a GPU the new kernels beside the
-  ones they replace ("cuda_paged" / "cuda_rowwise", "triton_paged" /
-  "triton_rowwise"), on the CPU the C++ kernel (Triton only on a GPU: the
+  then every usable backend of the op: on a GPU "cuda_paged" and
+  "triton_paged", on the CPU the C++ kernel (Triton only on a GPU: the
   interpreter measures Python, not a kernel).
-Columns: GB/s, % of copy bandwidth, speed-up vs the torch baseline and, for a
-new kernel, vs the previous one (measured just before it, same inputs). Each
+Columns: GB/s, % of copy bandwidth and speed-up vs the torch baseline. Each
 backend's output is checked against the torch baseline before it is timed.
 MLA_EXT_PAGED_GATHER_ROUNDS=1..8 (read once per process) changes the rows per
 CTA of "cuda_paged" (default 2 batches of 4 16-byte units per thread).
@@ -52,8 +50,6 @@ L, R = 512, 64
 E = L + R
 FORMATS = ("bfloat16", "fp8", "fp8_e5m2", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_raw")
 RAW = "fp8_raw"  # cp_gather_cache of fp8 rows (bytes unchanged)
-# A new kernel and the one it replaces (both stay selectable until measured).
-PREVIOUS = {"cuda_paged": "cuda_rowwise", "triton_paged": "triton_rowwise"}
 NUM_REQS = 4  # the chunk is split over a few requests with unaligned starts
 K_SCALE = 0.0173
 
@@ -186,17 +182,10 @@ class Timer:
 
 
 def usable_backends(inputs, device: str) -> list[str]:
-    """Usable gather backends, each previous kernel just before its replacement (so
-    the new one's row can state the speed-up over it)."""
-    names = [b.name for b in api.GATHER.backends
-             if not (device != "cuda" and is_triton_backend(b.name))  # the interpreter is not a benchmark
-             and not b.not_supported_reasons(inputs)]
-    old = set(PREVIOUS.values())
-
-    def key(n):
-        anchor = PREVIOUS.get(n, n)
-        return 2 * names.index(anchor if anchor in names else n) + (n not in old)
-    return sorted(names, key=key)
+    """Usable gather backends, in the dispatcher's order."""
+    return [b.name for b in api.GATHER.backends
+            if not (device != "cuda" and is_triton_backend(b.name))  # the interpreter is not a benchmark
+            and not b.not_supported_reasons(inputs)]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -244,7 +233,6 @@ def bench_one(fmt: str, tokens: int, B: int, device: str, timer: Timer, gen, log
                  pct_copy=100 * copy_s / torch_s, speedup_vs_torch=1.0))
     raw = fmt == RAW
     inputs = api.GatherInputs(cache, dst, table, cu, NUM_REQS, None if raw else fmt, k_scale, starts_t)
-    measured: dict[str, float] = {}
     for name in usable_backends(inputs, device):
         row = dict(common, backend=name)
         try:
@@ -269,10 +257,7 @@ def bench_one(fmt: str, tokens: int, B: int, device: str, timer: Timer, gen, log
         except Exception as exc:  # noqa: BLE001
             log.fail(row, exc)
             continue
-        measured[name] = s
-        prev = measured.get(PREVIOUS.get(name, ""))
-        log.add(dict(row, ms=s * 1e3, gbs=moved / s / 1e9, pct_copy=100 * copy_s / s, speedup_vs_torch=torch_s / s,
-                     speedup_vs_previous=prev / s if prev else None))
+        log.add(dict(row, ms=s * 1e3, gbs=moved / s / 1e9, pct_copy=100 * copy_s / s, speedup_vs_torch=torch_s / s))
 
 
 # -- output ---------------------------------------------------------------------
@@ -325,8 +310,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
 
 
-FIELDS = ["format", "tokens", "block_size", "backend", "ms", "gbs", "pct_copy", "speedup_vs_torch",
-          "speedup_vs_previous", "bytes_moved"]
+FIELDS = ["format", "tokens", "block_size", "backend", "ms", "gbs", "pct_copy", "speedup_vs_torch", "bytes_moved"]
 
 
 def run(args, device: str) -> int:
@@ -358,13 +342,10 @@ def run(args, device: str) -> int:
         log.fail(dict(backend="run"), exc)
 
     ok = log.ok()
-    print(f"\n{'format':<13}{'tokens':>8}{'B':>4}  {'backend':<28}{'ms':>9}{'GB/s':>9}{'% copy':>8}{'vs torch':>9}"
-          f"{'vs prev':>9}")
+    print(f"\n{'format':<13}{'tokens':>8}{'B':>4}  {'backend':<28}{'ms':>9}{'GB/s':>9}{'% copy':>8}{'vs torch':>9}")
     for r in ok:
-        prev = r.get("speedup_vs_previous")
         print(f"{r['format']:<13}{r['tokens']:>8}{r['block_size']:>4}  {r['backend']:<28}{r['ms']:>9.3f}"
-              f"{r['gbs']:>9.2f}{r['pct_copy']:>7.0f}%{r['speedup_vs_torch']:>8.2f}x"
-              + (f"{prev:>8.2f}x" if prev else ""))
+              f"{r['gbs']:>9.2f}{r['pct_copy']:>7.0f}%{r['speedup_vs_torch']:>8.2f}x")
     return finish(log, interrupted, lambda rows: plot(rows, stem + ".png", f"gather on {name}"))
 
 

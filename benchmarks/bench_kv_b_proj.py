@@ -80,10 +80,8 @@ SWEEP_N = [4096, 32768]
 SWEEP_M = [1 << i for i in range(15)]  # 1 .. 16,384
 CPU_SWEEP_N = [256]
 CPU_SWEEP_M = [1, 4, 16, 64]
-CPU_NATIVE = ("dequant_dense", "scaled_mm_fp8", "scaled_mm_block", "marlin_w8a16", "marlin_w8a16_v1")
-# The new kernels and the first ones they replace (kept as backends until measured).
-NEW_VS_OLD = {"marlin_w8a16": "marlin_w8a16_v1", "triton_w4a16": "triton_w4a16_v1"}
-SPLIT_LABEL = "marlin_w8a16[split={}]"  # --splits rows: the v2 Marlin kernel with a forced split-K
+CPU_NATIVE = ("dequant_dense", "scaled_mm_fp8", "scaled_mm_block", "marlin_w8a16")
+SPLIT_LABEL = "marlin_w8a16[split={}]"  # --splits rows: the Marlin kernel with a forced split-K
 FP8_COMPUTE = ("scaled_mm_block", "triton_fp8_block", "scaled_mm_fp8")  # W8A8: fp8 tensor-core peak
 DENSE = "dequant_dense"
 MAX_MEAN_REL = 0.06
@@ -288,7 +286,7 @@ def run(args, log: RowLog, limits: dict) -> None:
 
 
 def _split_rows(args, layer, x, ref, row0, t_ref, flop, elt, limits, timer, log) -> None:
-    """--splits: the v2 Marlin kernel with each forced split-K (rows SPLIT_LABEL), to
+    """--splits: the Marlin kernel with each forced split-K (rows SPLIT_LABEL), to
     check the automatic split against its neighbours. Not backends: the dispatch
     table and the misses ignore them."""
     from mla_ext.kv_b_proj.marlin import marlin_fp8_gemm
@@ -414,30 +412,26 @@ def big_m(rows: list[dict]) -> list[str]:
     return out
 
 
-def new_vs_old(rows: list[dict], sm_count: int = 0) -> list[str]:
-    """Each new kernel beside the first one it replaces (NEW_VS_OLD), per (N, format,
-    M) where both were measured: times and the speedup; for Marlin the v2 plan
-    (CTA tile, split-K on `sm_count` SMs) and the fastest --splits row if any."""
+def marlin_plans(rows: list[dict], sm_count: int = 0) -> list[str]:
+    """Per (N, format, M) where marlin_w8a16 was measured: its time and speed vs cuBLAS
+    bf16, its plan (CTA tile, split-K on `sm_count` SMs) and the fastest --splits row if any."""
     from mla_ext.kv_b_proj.marlin import plan_v2
 
     ok = [r for r in rows if r["status"] == "ok"]
     out = []
     for n, fmt, m in sorted({(r["N"], r["format"], r["M"]) for r in ok}):
         sel = {r["backend"]: r for r in ok if (r["N"], r["format"], r["M"]) == (n, fmt, m)}
-        for new, old in NEW_VS_OLD.items():
-            if new not in sel or old not in sel:
-                continue
-            t_new, t_old = sel[new]["time_us"], sel[old]["time_us"]
-            line = (f"N={n} M={m} {fmt}: {new} {t_new:.4g} us vs {old} {t_old:.4g} us: x{t_old / t_new:.2f}"
-                    f" (x{sel[new]['ratio_vs_cublas_bf16']} vs cuBLAS bf16, old x{sel[old]['ratio_vs_cublas_bf16']})")
-            if new == "marlin_w8a16":
-                p = plan_v2(m, n, sel[new].get("K", K), 128 if fmt.endswith("g128") else -1, sm_count)
-                line += f"; v2 tile {16 * p.mb}x{32 * p.ws}, split {p.split} on {sm_count or 'no'} SMs"
-                splits = {b: r["time_us"] for b, r in sel.items() if b.startswith("marlin_w8a16[")}
-                if splits:
-                    best = min(splits, key=splits.get)
-                    line += f"; fastest forced split {best} {splits[best]:.4g} us"
-            out.append(line)
+        r = sel.get("marlin_w8a16")
+        if r is None:
+            continue
+        p = plan_v2(m, n, r.get("K", K), 128 if fmt.endswith("g128") else -1, sm_count)
+        line = (f"N={n} M={m} {fmt}: marlin_w8a16 {r['time_us']:.4g} us (x{r['ratio_vs_cublas_bf16']} vs cuBLAS "
+                f"bf16); tile {16 * p.mb}x{32 * p.ws}, split {p.split} on {sm_count or 'no'} SMs")
+        splits = {b: x["time_us"] for b, x in sel.items() if b.startswith("marlin_w8a16[")}
+        if splits:
+            best = min(splits, key=splits.get)
+            line += f"; fastest forced split {best} {splits[best]:.4g} us"
+        out.append(line)
     return out
 
 
@@ -517,8 +511,8 @@ def report(rows: list[dict], is_gpu: bool, max_misses: int = 20, limits: dict | 
         lines += ["  " + s for s in (side_by_side(rows) or ["no row at M >= 8192"])]
     else:
         lines.append("  not evaluated: CPU timings on shared cores say nothing about the GPU goals")
-    lines.append("new kernels beside the first ones (x = old time / new time):")
-    lines += ["  " + s for s in (new_vs_old(rows, sm_count) or ["no (new, old) pair measured"])]
+    lines.append("the Marlin kernel's plan per shape:")
+    lines += ["  " + s for s in (marlin_plans(rows, sm_count) or ["no marlin_w8a16 row measured"])]
     if not is_gpu:
         lines.append("  (CPU: the Marlin rows are the packed-layout reference, timings say nothing about the GPU)")
     bad = [r for r in rows if r["status"] != "ok"]
@@ -564,7 +558,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-flush", action="store_true", help="do not scrub L2 between calls")
     p.add_argument("--table", help="dispatch table to write/merge (default DIR/dispatch_table_<device>.json)")
     p.add_argument("--splits", type=int, nargs="*", default=[],
-                   help="also time the v2 Marlin kernel with each of these forced split-K values")
+                   help="also time the Marlin kernel with each of these forced split-K values")
     args = p.parse_args(argv)
     gpu = torch.device(args.device).type == "cuda"
     if args.sweep:

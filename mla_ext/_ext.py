@@ -1,9 +1,10 @@
 """Loads the compiled library and says what was built, and why not.
 
-Importing mla_ext._C runs the TORCH_LIBRARY registrations in csrc/bindings.cpp,
-after which every op is reachable as torch.ops.mla_ext.<name>. Nothing here
-raises at import time: a missing or broken build is reported by `available()`
-and `load_error()`, and the ops' Python wrappers turn that into a clear error.
+Importing mla_ext._C runs the TORCH_LIBRARY registrations (schemas:
+csrc/registration.cpp; checks and kernels: csrc/<stage>/*_ops.cpp), after
+which every op is reachable as torch.ops.mla_ext.<name>. Nothing here raises
+at import time: a missing or broken build is reported by `available()` and
+`load_error()`, and the ops' Python wrappers turn that into a clear error.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fake (meta) kernels for every tensor op in csrc/bindings.cpp.
+"""Fake (meta) kernels for every tensor op of csrc/registration.cpp.
 
 torch.compile traces ops through these: they compute output shapes/dtypes and
 never touch data. Ops that only mutate their arguments return None.
@@ -33,12 +33,10 @@ def _one_device(op: str, **tensors) -> None:
 # Per-stage sections are added as ops arrive; the foundation ops take no tensors.
 
 # === Stage: cache ===
-# `kernel` (every cache op) picks the CUDA kernel (0 newest, 1 previous); the
-# outputs are the same either way.
 
 
 @torch.library.register_fake("mla_ext::concat_and_cache_mla")
-def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, kernel=0):
+def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
     _one_device("concat_and_cache_mla", kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping,
                 k_scale=k_scale)
     return None  # writes kv_cache in place
@@ -46,7 +44,7 @@ def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtyp
 
 @torch.library.register_fake("mla_ext::gather_and_maybe_dequant_cache")
 def _gather_and_maybe_dequant_cache_fake(
-    src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale, seq_starts=None, kernel=0
+    src_cache, dst, block_table, cu_seq_lens, num_reqs, kv_cache_dtype, k_scale, seq_starts=None
 ):
     _one_device("gather_and_maybe_dequant_cache", src_cache=src_cache, dst=dst, block_table=block_table,
                 cu_seq_lens=cu_seq_lens, k_scale=k_scale, seq_starts=seq_starts)
@@ -54,14 +52,14 @@ def _gather_and_maybe_dequant_cache_fake(
 
 
 @torch.library.register_fake("mla_ext::cp_gather_cache")
-def _cp_gather_cache_fake(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts=None, kernel=0):
+def _cp_gather_cache_fake(src_cache, dst, block_table, cu_seq_lens, num_reqs, seq_starts=None):
     _one_device("cp_gather_cache", src_cache=src_cache, dst=dst, block_table=block_table,
                 cu_seq_lens=cu_seq_lens, seq_starts=seq_starts)
     return None  # writes dst in place
 
 
 @torch.library.register_fake("mla_ext::compute_kv_scale")
-def _compute_kv_scale_fake(kv_c, k_pe, kv_cache_dtype, kernel=0):
+def _compute_kv_scale_fake(kv_c, k_pe, kv_cache_dtype):
     _one_device("compute_kv_scale", kv_c=kv_c, k_pe=k_pe)
     return kv_c.new_empty((1,), dtype=torch.float32)
 
@@ -90,8 +88,8 @@ def _marlin_fp8_dequantize_fake(qweight, scales, N, K, group_size, act_dtype):
 
 
 @torch.library.register_fake("mla_ext::marlin_fp8_gemm")
-def _marlin_fp8_gemm_fake(a, qweight, scales, N, K, group_size, act_dtype, out_dtype=None, version=2, split_k=0):
-    # version / split_k pick the CUDA kernel and its split-K; the output is the same.
+def _marlin_fp8_gemm_fake(a, qweight, scales, N, K, group_size, act_dtype, out_dtype=None, split_k=0):
+    # split_k picks the CUDA kernel's split-K; the output is the same.
     _one_device("marlin_fp8_gemm", a=a, qweight=qweight, scales=scales)
     return a.new_empty((a.shape[0], N), dtype=out_dtype or act_dtype)
 

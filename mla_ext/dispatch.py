@@ -5,7 +5,7 @@ In the style of xformers' attention dispatch: each backend states
 priority order) with none, otherwise raises one error listing every backend's
 reasons. The choice is inspectable (`explain`) and can be forced, for tests
 and benchmarks, with `Dispatcher.force(name)` or the environment variable
-MLA_EXT_FORCE_<OP>=<backend> (e.g. MLA_EXT_FORCE_GATHER=triton).
+MLA_EXT_FORCE_<OP>=<backend> (e.g. MLA_EXT_FORCE_GATHER=triton_paged).
 
 Capability vs performance. A backend's `reasons` say what it cannot do (device,
 architecture, dtype, shape limits). Its optional `heuristic` states the

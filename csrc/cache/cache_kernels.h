@@ -1,6 +1,6 @@
 // Torch-free parameter structs and launchers of the paged latent cache ops
-// (SPEC §2, §6). csrc/bindings.cpp fills these from tensors after checking
-// them; cache_cpu.cpp and write.cu / gather.cu implement the launchers.
+// (SPEC §2, §6). csrc/cache/cache_ops.cpp fills these from tensors after checking
+// them; cache_cpu.cpp, write.cu and gather_paged.cu implement the launchers.
 //
 // Out-of-range policy (every backend): a gathered row whose token is negative,
 // whose logical block is past the table width or whose physical block id is
@@ -34,18 +34,6 @@ MLA_HOST_DEVICE inline int elem_bytes(ElemType t) {
   return t == ElemType::kF32 ? 4 : (t == ElemType::kU8 ? 1 : 2);
 }
 
-// Which CUDA kernel serves a call: the trailing `kernel` argument of the ops
-// (0, the default, is the newest; the older kernels stay selectable until a
-// GPU has measured both). The CPU kernels ignore it.
-enum class GatherKernel : int32_t {
-  kPaged = 0,    // gather_paged.cu: window of rows per CTA, 16-byte units, 4 loads in flight
-  kRowwise = 1,  // gather.cu: one warp per row, shared-memory fp8 table
-};
-enum class WriteKernel : int32_t {
-  kVector = 0,  // write.cu write_vec_kernel / amax_rows_kernel: 16-byte loads, 8/16-byte stores
-  kScalar = 1,  // write.cu write_kernel / amax_kernel: element by element
-};
-
 // How a gathered row is produced.
 enum class GatherKind : int32_t {
   kRaw = 0,        // bytes copied unchanged (native cache, fp8 passthrough)
@@ -75,7 +63,6 @@ struct GatherParams {
   const int32_t* seq_starts;  // [num_reqs] or nullptr (all 0)
   int32_t num_reqs;
   const float* k_scale;       // per-tensor kinds only (device pointer on CUDA)
-  GatherKernel kernel;        // CUDA only
 };
 
 struct WriteParams {
@@ -97,7 +84,6 @@ struct WriteParams {
   CacheFormat format;         // kAuto/kBFloat16/kFloat16 copy (in_type == cache type)
                               // (kNvfp4DsMla: L = 512 and R = 64, checked by the bindings)
   const float* k_scale;       // per-tensor formats only
-  WriteKernel kernel;         // CUDA only
 };
 
 struct KvScaleParams {
@@ -111,7 +97,6 @@ struct KvScaleParams {
   int64_t R;
   float fp8_max;              // 448 (e4m3) or 57344 (e5m2)
   float* out;                 // [1]
-  WriteKernel kernel;         // CUDA only
 };
 
 // The request owning dst row t: the largest r in [0, num_reqs) with
@@ -162,11 +147,8 @@ void kv_scale_cpu(const KvScaleParams& p);
 
 #ifdef MLA_EXT_WITH_CUDA
 // `stream` is a cudaStream_t, kept as void* so this header stays CUDA-free;
-// each returns the cudaError_t of its launches (0 = success). gather_cuda
-// runs p.kernel's kernel (gather_cuda_paged or gather_cuda_rowwise).
+// each returns the cudaError_t of its launches (0 = success).
 int gather_cuda(const GatherParams& p, void* stream);
-int gather_cuda_paged(const GatherParams& p, void* stream);
-int gather_cuda_rowwise(const GatherParams& p, void* stream);
 int write_cuda(const WriteParams& p, void* stream);
 int kv_scale_cuda(const KvScaleParams& p, void* stream);
 #endif

@@ -1,9 +1,8 @@
-// The page-granular CUDA gather (backend "cuda_paged", GatherKernel::kPaged,
-// the default) of gather_and_maybe_dequant_cache and cp_gather_cache. The
+// The page-granular CUDA gather (backend "cuda_paged") of
+// gather_and_maybe_dequant_cache and cp_gather_cache. The
 // algorithm, the row decoders and their load/store widths are in
 // csrc/cache/paged_gather.h (shared with the host emulator the tests run);
-// this file holds the kernel and its launch. gather_cuda dispatches between
-// this kernel and the row-wise one (gather.cu).
+// this file holds the kernel and its launch.
 //
 // Load/store widths per format (vector paths; rows whose cache or dst
 // alignment does not allow them take the N-byte or one-value fallbacks):
@@ -63,7 +62,7 @@ int paged_rounds() {
 
 }  // namespace
 
-int gather_cuda_paged(const GatherParams& p, void* stream) {
+int gather_cuda(const GatherParams& p, void* stream) {
   if (p.num_reqs <= 0 || p.dst_rows <= 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   int err = 0;
@@ -75,10 +74,6 @@ int gather_cuda_paged(const GatherParams& p, void* stream) {
     err = static_cast<int>(cudaGetLastError());
   });
   return err;
-}
-
-int gather_cuda(const GatherParams& p, void* stream) {
-  return p.kernel == GatherKernel::kRowwise ? gather_cuda_rowwise(p, stream) : gather_cuda_paged(p, stream);
 }
 
 }  // namespace cache

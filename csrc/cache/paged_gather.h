@@ -1,7 +1,7 @@
 // The page-granular gather (backend "cuda_paged"): its row mapping, its
 // per-format row decoders and the per-thread streaming loop, shared by the
 // CUDA kernel (csrc/cache/gather_paged.cu) and the host emulator
-// (csrc/cache/paged_gather_emulator.cpp, built by the tests), so that the
+// (tests/cache/emulator/paged_gather_emulator.cpp, built by the tests), so that the
 // whole kernel logic except a handful of device instructions (csrc/cache/vec.h)
 // is checked bit-exactly against the CPU kernel on machines without a GPU.
 //

@@ -1,6 +1,6 @@
-// Lane-level pieces of the vectorised cache writer (write.cu write_vec_kernel,
-// WriteKernel::kVector) and of its kv-scale amax (amax_rows_kernel), shared
-// with the host emulator (csrc/cache/paged_gather_emulator.cpp) that the tests
+// Lane-level pieces of the vectorised cache writer (write.cu write_vec_kernel)
+// and of its kv-scale amax (amax_rows_kernel), shared
+// with the host emulator (tests/cache/emulator/paged_gather_emulator.cpp) that the tests
 // run against the CPU kernel on machines without a GPU.
 //
 // One warp per token, lane `lane` of 32:

@@ -396,8 +396,7 @@ void marlin_fp8_gemm_cpu(const GemmParams& p);
 // the device's arch).
 int marlin_fp8_repack_cuda(const RepackParams& p, void* stream);
 int marlin_fp8_dequantize_cuda(const DequantParams& p, void* stream);
-int marlin_fp8_gemm_cuda(const GemmParams& p, void* stream);  // v1: 64-column CTAs, no split-K
-// v2 (split-K, multi-row-block CTAs): `plan` from plan_v2; p.slice_tiles,
+// The GEMM (split-K, multi-row-block CTAs): `plan` from plan_v2; p.slice_tiles,
 // p.workspace and p.counters filled from it (workspace/counters only when split > 1).
 int marlin_fp8_gemm_v2_cuda(const GemmParams& p, const GemmV2Plan& plan, void* stream);
 // The SM count of a CUDA device (0 if it cannot be read); cached per device.

@@ -1,8 +1,8 @@
 // The packed-layout CPU reference GEMM: reads qweight with the same index math
 // and bit-shift dequant as the CUDA kernels (marlin_fp8.h) and computes
 // C = A · (W · scale)^T in fp32, applying each group's scale to that group's
-// partial sum and adding split-K slices in slice order exactly as the v2
-// kernel does (p.slice_tiles from plan_v2; one slice = v1's order). It is the
+// partial sum and adding split-K slices in slice order exactly as the CUDA
+// kernel does (p.slice_tiles from plan_v2). It is the
 // proof of the packing on the CPU, not a fast path.
 #include <vector>
 
@@ -14,10 +14,10 @@ namespace marlin_fp8 {
 void marlin_fp8_gemm_cpu(const GemmParams& p) {
   const int64_t gk = p.group_size > 0 ? p.group_size : p.K;
   const int64_t k_tiles = p.K / kTileK;
-  // Split-K as the v2 kernel slices it: slice s covers k-tiles
+  // Split-K as the CUDA kernel slices it: slice s covers k-tiles
   // [s * slice_tiles, (s + 1) * slice_tiles); inside a slice every scale group's
   // part gets its own fp32 partial times the group scale; the slices' sums are
-  // added in slice order (slice_tiles <= 0: one slice, v1's order).
+  // added in slice order (slice_tiles <= 0: one slice).
   const int64_t slice_k = (p.slice_tiles > 0 && p.slice_tiles < k_tiles ? p.slice_tiles : k_tiles) * kTileK;
   float* c_out = static_cast<float*>(p.c);
   // Activations decoded once (row-strided source, lda >= K).

@@ -1,7 +1,7 @@
-// v2 W8A16 GEMM on the packed FP8 layout (vLLM's Marlin layout, marlin_fp8.h):
+// The W8A16 GEMM on the packed FP8 layout (vLLM's Marlin layout, marlin_fp8.h):
 //   C[M, N] = A[M, K] · (decode(W) · scale)^T,  A bf16/fp16 with row stride lda >= K.
 //
-// What changed from v1 (marlin_fp8_gemm.cu), for small M (weight-bandwidth bound):
+// Design, for small M (weight-bandwidth bound):
 // - Split-K. A CTA computes one output tile (16*mb rows x 64*np columns) over
 //   one K slice; plan_v2 (marlin_fp8.h) picks the slices from the tiles and
 //   the SM count, bounded so that the partials written and re-read never
@@ -15,17 +15,17 @@
 // - Up to four 16-row blocks per CTA (mb), warps split the columns: a warp
 //   owns ws n8 sub-tiles of one 64-column panel for all mb row blocks, so a
 //   weight word is streamed once per CTA, dequantized once and feeds mb
-//   mma.sync; A is read once per 64*np columns (v1: once per 64), and there is
+//   mma.sync; A is read once per 64*np columns, and there is
 //   no cross-warp reduction (no reduction buffer at all).
 // - One CTA-wide cp.async pipeline (4 stages of 2 k-tiles: weight tiles, the
 //   A tile and, with the k-tile that ends a scale group, that group's scale
-//   row), so the scales arrive through the pipeline too (v1: a blocking __ldg
-//   at each group end). One __syncthreads per stage.
+//   row), so the scales arrive through the pipeline too (no blocking load at
+//   a group end). One __syncthreads per stage.
 // - Shared memory is XOR-swizzled (16-byte chunk index ^ bit 2 of the row /
 //   lane) so the B-word reads and the ldmatrix A reads are conflict-free
 //   (ws = 2: 2-way on the 8-byte B reads).
 // Scales are applied to each group's fp32 partial sum when the group (or the
-// slice) ends, as in v1 and in the CPU reference, which reproduces the slicing.
+// slice) ends, as in the CPU reference, which reproduces the slicing.
 // Needs sm_80+ (cp.async, ldmatrix, bf16 mma.sync); no fp8 mma, so it runs on sm_86.
 #include "kv_b_proj/marlin_fp8_device.cuh"
 

@@ -1,5 +1,5 @@
 // Torch-free parameter blocks, launchers and the shared per-element encode/decode of the
-// DSA indexer key cache ops (formats: common/indexer_cache_layout.h). csrc/bindings.cpp
+// DSA indexer key cache ops (formats: common/indexer_cache_layout.h). csrc/sparse/sparse_ops.cpp
 // fills the blocks after checking the tensors; index_cache_cpu.cpp and index_cache.cu
 // implement the launchers with the helpers below, so both produce the same bytes.
 //

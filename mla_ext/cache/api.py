@@ -14,19 +14,13 @@ Backends, in priority order (each states why it cannot serve an input;
 `explain(...)` and `backend_report()` show the choice; `GATHER.force(name)` or
 MLA_EXT_FORCE_GATHER=<name> forces one):
   gathers   "cuda_paged" (csrc/cache/gather_paged.cu: a window of rows per
-            CTA, mapped once, streamed in 16-byte units), "cuda_rowwise"
-            (csrc/cache/gather.cu: one warp per row, the earlier kernel),
-            "cpu" (csrc/cache/cache_cpu.cpp), "triton_paged" and
-            "triton_rowwise" (mla_ext/cache/triton_gather.py);
-  write     "cuda_vector" (16-byte loads, 8/16-byte stores), "cuda_scalar"
-            (the earlier element-by-element kernel), "cpu", "triton"
-            (mla_ext/cache/triton_write.py, bit-identical to "cpu": serves a GPU
-            the library holds no binary for);
-  kv scale  "cuda_vector", "cuda_scalar", "cpu", "triton".
-The earlier kernels stay selectable until a GPU has measured both
-(benchmarks/bench_gather.py reports them side by side). The names "cuda" and
-"triton" still work for forcing: they mean the newest kernel of each
-("cuda_paged" / "cuda_vector", "triton_paged").
+            CTA, mapped once, streamed in 16-byte units), "cpu"
+            (csrc/cache/cache_cpu.cpp), "triton_paged"
+            (mla_ext/cache/triton_gather.py);
+  write     "cuda_vector" (csrc/cache/write.cu: 16-byte loads, 8/16-byte
+            stores), "cpu", "triton" (mla_ext/cache/triton_write.py,
+            bit-identical to "cpu": serves a GPU the library holds no binary for);
+  kv scale  "cuda_vector", "cpu", "triton".
 
 Out-of-range policy (every backend; see csrc/cache/cache_kernels.h):
   * gather: a row whose token lies in a logical block past the block table's
@@ -121,39 +115,34 @@ def _raw_format_name(cache: Tensor) -> str:
     return "fp8" if cache.element_size() == 1 else "auto"
 
 
-def _triton_reasons(inp: GatherInputs, kernel: str = "paged") -> list[str]:
+def _triton_reasons(inp: GatherInputs) -> list[str]:
     try:
         from mla_ext.cache import triton_gather
     except ImportError as exc:  # the module or triton itself is missing
         return [f"the Triton gather cannot be imported ({exc})"]
     name = inp.kv_cache_dtype if inp.kv_cache_dtype is not None else _raw_format_name(inp.src_cache)
-    return triton_gather.triton_not_supported_reasons(inp.src_cache, inp.dst, name, kernel)
+    return triton_gather.triton_not_supported_reasons(inp.src_cache, inp.dst, name)
 
 
-def _run_triton(inp: GatherInputs, kernel: str = "paged") -> None:
+def _run_triton(inp: GatherInputs) -> None:
     from mla_ext.cache import triton_gather
 
     name = inp.kv_cache_dtype if inp.kv_cache_dtype is not None else _raw_format_name(inp.src_cache)
     triton_gather.gather_triton(
         inp.src_cache, inp.dst, inp.block_table, inp.cu_seq_lens, inp.num_reqs, name,
-        inp.k_scale, inp.seq_starts, kernel=kernel,
+        inp.k_scale, inp.seq_starts,
     )
 
 
-# The compiled ops' trailing `kernel` argument (csrc/bindings.cpp): which CUDA
-# kernel runs; the CPU kernels ignore it.
-KERNEL_NEWEST, KERNEL_PREVIOUS = 0, 1
-
-
-def _run_compiled_gather(inp: GatherInputs, kernel: int = KERNEL_NEWEST) -> None:
+def _run_compiled_gather(inp: GatherInputs) -> None:
     ops = _ext.ops()
     if inp.kv_cache_dtype is None:
         ops.cp_gather_cache(inp.src_cache, inp.dst, inp.block_table, inp.cu_seq_lens, inp.num_reqs,
-                            inp.seq_starts, kernel)
+                            inp.seq_starts)
     else:
         ops.gather_and_maybe_dequant_cache(
             inp.src_cache, inp.dst, inp.block_table, inp.cu_seq_lens, inp.num_reqs,
-            inp.kv_cache_dtype, inp.k_scale, inp.seq_starts, kernel,
+            inp.kv_cache_dtype, inp.k_scale, inp.seq_starts,
         )
 
 
@@ -177,49 +166,32 @@ def _run_triton_write(op: str, inp: TensorInputs):
     return triton_write.kv_scale_triton(*inp.args)
 
 
-def _run_write(inp: TensorInputs, kernel: int = KERNEL_NEWEST) -> None:
-    _ext.ops().concat_and_cache_mla(*inp.args, kernel)
+def _run_write(inp: TensorInputs) -> None:
+    _ext.ops().concat_and_cache_mla(*inp.args)
 
 
-def _run_kv_scale(inp: TensorInputs, kernel: int = KERNEL_NEWEST) -> Tensor:
-    return _ext.ops().compute_kv_scale(*inp.args, kernel)
+def _run_kv_scale(inp: TensorInputs) -> Tensor:
+    return _ext.ops().compute_kv_scale(*inp.args)
 
 
-class _AliasedDispatcher(Dispatcher):
-    """A Dispatcher whose backends also answer to earlier names: force("cuda")
-    and MLA_EXT_FORCE_GATHER=triton keep working and mean the newest kernel."""
-
-    def __init__(self, op: str, backends: list[Backend], aliases: dict[str, str]):
-        super().__init__(op, backends)
-        self.aliases = dict(aliases)
-
-    def get(self, name: str) -> Backend:
-        return super().get(self.aliases.get(name, name))
-
-
-# Newest kernel first, then the earlier one of the same device. CPU before
-# Triton: on CPU tensors Triton only runs under its (slow) interpreter, which
-# tests reach with GATHER.force("triton_paged"); on a GPU the CPU backend
-# refuses and Triton serves when the CUDA kernels cannot.
-GATHER = _AliasedDispatcher("gather", [
-    Backend("cuda_paged", _cuda_reasons, partial(_run_compiled_gather, kernel=KERNEL_NEWEST)),
-    Backend("cuda_rowwise", _cuda_reasons, partial(_run_compiled_gather, kernel=KERNEL_PREVIOUS)),
+# CUDA, then CPU, then Triton: on CPU tensors Triton only runs under its (slow)
+# interpreter, which tests reach with GATHER.force("triton_paged"); on a GPU the
+# CPU backend refuses and Triton serves when the CUDA kernels cannot.
+GATHER = Dispatcher("gather", [
+    Backend("cuda_paged", _cuda_reasons, _run_compiled_gather),
     Backend("cpu", _cpu_reasons, _run_compiled_gather),
-    Backend("triton_paged", partial(_triton_reasons, kernel="paged"), partial(_run_triton, kernel="paged")),
-    Backend("triton_rowwise", partial(_triton_reasons, kernel="rowwise"), partial(_run_triton, kernel="rowwise")),
-], aliases={"cuda": "cuda_paged", "triton": "triton_paged"})
-WRITE = _AliasedDispatcher("write", [
-    Backend("cuda_vector", _cuda_reasons, partial(_run_write, kernel=KERNEL_NEWEST)),
-    Backend("cuda_scalar", _cuda_reasons, partial(_run_write, kernel=KERNEL_PREVIOUS)),
+    Backend("triton_paged", _triton_reasons, _run_triton),
+])
+WRITE = Dispatcher("write", [
+    Backend("cuda_vector", _cuda_reasons, _run_write),
     Backend("cpu", _cpu_reasons, _run_write),
     Backend("triton", partial(_triton_write_reasons, "write"), partial(_run_triton_write, "write")),
-], aliases={"cuda": "cuda_vector"})
-KV_SCALE = _AliasedDispatcher("kv_scale", [
-    Backend("cuda_vector", _cuda_reasons, partial(_run_kv_scale, kernel=KERNEL_NEWEST)),
-    Backend("cuda_scalar", _cuda_reasons, partial(_run_kv_scale, kernel=KERNEL_PREVIOUS)),
+])
+KV_SCALE = Dispatcher("kv_scale", [
+    Backend("cuda_vector", _cuda_reasons, _run_kv_scale),
     Backend("cpu", _cpu_reasons, _run_kv_scale),
     Backend("triton", partial(_triton_write_reasons, "kv_scale"), partial(_run_triton_write, "kv_scale")),
-], aliases={"cuda": "cuda_vector"})
+])
 
 
 # -- public ops --------------------------------------------------------------

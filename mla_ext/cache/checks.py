@@ -49,7 +49,7 @@ def _same_device(t: Tensor, ref: Tensor, arg: str, ref_arg: str) -> None:
 # -- memory overlap ------------------------------------------------------------
 # An op must not write memory it also reads through another argument, nor one
 # location twice. The rules below are exact for the layouts the ops take and
-# conservative otherwise; csrc/bindings.cpp applies the same rules to the raw
+# conservative otherwise; csrc/common/torch_checks.h applies the same rules to the raw
 # ops. They read addresses, never data (no host sync). Strides are >= 0
 # (torch has no negative strides).
 

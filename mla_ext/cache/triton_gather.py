@@ -1,24 +1,17 @@
 """Triton gather of paged latent-cache rows with the dequant fused (SPEC §2, §6).
 
-Two kernels, selected by `gather_triton(kernel=...)` (the dispatcher's
-"triton_paged" and "triton_rowwise" backends, the paged one first):
-`_gather_paged_kernel` and the earlier `_gather_kernel`, kept until a GPU has
-measured both.
-Both map a program's BLOCK_R dst rows to their cache rows once (a vectorised
+One kernel, `_gather_paged_kernel` (the dispatcher's "triton_paged" backend).
+It maps a program's BLOCK_R dst rows to their cache rows once (a vectorised
 binary search over cu_seq_lens, one block-table load per row: rows of a page
-share the address), and differ in how the rows move:
-  rowwise  column chunk by column chunk, each loaded then stored, so a chunk's
-           loads wait behind the previous chunk's stores;
-  paged    every load of the program's tile is issued before its first store:
-           the whole fp8_ds_mla / nvfp4_ds_mla row (latent, scales, k_pe) as
-           3-D / 2-D tiles, and for the other formats the row's tail chunk
-           (576 = 512 + 64) together with its first main chunk; fp8 bytes are
-           converted by the hardware (bitcast to float8e4nv / float8e5) on
-           sm_89+, by integer moves elsewhere and in the interpreter; nvfp4
-           nibbles are split with tl.join and the permuted block scales put in
-           order with one tile transpose instead of per-value byte loads.
+share the address), then issues every load of the program's tile before its
+first store: the whole fp8_ds_mla / nvfp4_ds_mla row (latent, scales, k_pe) as
+3-D / 2-D tiles, and for the other formats the row's tail chunk (576 = 512 +
+64) together with its first main chunk; fp8 bytes are converted by the hardware
+(bitcast to float8e4nv / float8e5) on sm_89+, by integer moves elsewhere and in
+the interpreter; nvfp4 nibbles are split with tl.join and the permuted block
+scales put in order with one tile transpose instead of per-value byte loads.
 
-Each kernel serves every format; a constexpr MODE picks the row decoder:
+The kernel serves every format; a constexpr MODE picks the row decoder:
   COPY   dst.dtype == cache dtype: native bf16/fp16/fp32 copy, or raw fp8 bytes;
   E4M3 / E5M2   per-tensor fp8 bytes x k_scale;
   DS_MLA  fp8_ds_mla 656-byte rows: 4 x 128 e4m3 values x their fp32 tile scale,
@@ -72,12 +65,12 @@ else:
 # interpreter does not take module-level constexprs there. They must be the
 # layout formats.DsMla defines (the one Python mirror of cache_layout.h).
 assert (DsMla.LATENT_DIM, DsMla.SCALE_OFFSET, DsMla.ROPE_OFFSET, DsMla.NUM_TILES,
-        DsMla.TILE_SIZE, DsMla.ROPE_DIM) == (512, 512, 528, 4, 128, 64), "update _gather_kernel"
+        DsMla.TILE_SIZE, DsMla.ROPE_DIM) == (512, 512, 528, 4, 128, 64), "update _gather_paged_kernel"
 # Likewise MODE 4 (nvfp4_ds_mla): e2m1 pairs at byte 0, 64 e4m3 k_pe at 256,
 # block scales at 320 + 8 * (s & 3) + (s >> 2), 16 values per block.
 assert (Nvfp4DsMla.LATENT_OFFSET, Nvfp4DsMla.ROPE_OFFSET, Nvfp4DsMla.SCALE_OFFSET, Nvfp4DsMla.BLOCK_SIZE,
-        Nvfp4DsMla.ROPE_DIM, Nvfp4DsMla.LATENT_DIM) == (0, 256, 320, 16, 64, 512), "update _gather_kernel"
-assert all(Nvfp4DsMla.scale_byte(s) == 8 * (s & 3) + (s >> 2) for s in range(32)), "update _gather_kernel"
+        Nvfp4DsMla.ROPE_DIM, Nvfp4DsMla.LATENT_DIM) == (0, 256, 320, 16, 64, 512), "update _gather_paged_kernel"
+assert all(Nvfp4DsMla.scale_byte(s) == 8 * (s & 3) + (s >> 2) for s in range(32)), "update _gather_paged_kernel"
 
 MODE_COPY, MODE_E4M3, MODE_E5M2, MODE_DS_MLA, MODE_NVFP4_DS_MLA = 0, 1, 2, 3, 4
 _FLOAT_DSTS = (torch.bfloat16, torch.float16, torch.float32)
@@ -95,7 +88,7 @@ if triton is not None:
                         dst_rows, search_steps, bt_s0, bt_s1, HAS_STARTS: tl.constexpr, BLOCK_R: tl.constexpr):
         """Rows row0 + [0, BLOCK_R) of dst: (rows, live, ok, blk, slot). live: a request owns
         the row; ok: it has a cache row (block blk, slot); other rows get blk = slot = 0, so
-        even a masked address stays inside the cache. Shared by both kernels."""
+        even a masked address stays inside the cache."""
         total = tl.load(cu_ptr + num_reqs)
         first = tl.load(cu_ptr)
         rows = row0 + tl.arange(0, BLOCK_R)
@@ -122,98 +115,6 @@ if triton is not None:
         blk = tl.where(ok, blk, 0).to(tl.int64)
         slot = tl.where(ok, tok % block_size, 0).to(tl.int64)
         return rows, live, ok, blk, slot
-
-    # register budget: 192
-    @triton.jit(do_not_specialize=["num_reqs", "max_blocks", "dst_rows", "search_steps", "bt_s0"])  # batch-varying: no re-compile
-    def _gather_kernel(
-        src_ptr, src_f32_ptr, src_bf16_ptr, dst_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr,
-        num_reqs, num_blocks, block_size, max_blocks, dst_rows, n_cols, search_steps,
-        s_blk, s_ent, s_col, bt_s0, bt_s1, d_row, d_col,
-        MODE: tl.constexpr, HAS_STARTS: tl.constexpr, ALIGNED: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):
-        row0 = tl.program_id(0) * BLOCK_R
-        total = tl.load(cu_ptr + num_reqs)
-        if row0 < total:
-            rows, live, ok, blk, slot = _window_sources(
-                cu_ptr, starts_ptr, bt_ptr, row0, num_reqs, num_blocks, block_size, max_blocks, dst_rows,
-                search_steps, bt_s0, bt_s1, HAS_STARTS, BLOCK_R)
-            src_row = src_ptr + blk * s_blk + slot * s_ent
-            dst_row = dst_ptr + rows.to(tl.int64) * d_row
-            ok2 = ok[:, None]
-            live2 = live[:, None]
-
-            if MODE == 3:
-                k = tl.arange(0, 64)
-                pe_cm = ((512 + k) < n_cols)[None, :]
-                if ALIGNED:
-                    # The same bytes viewed as fp32 / bf16: one load per scale and per k_pe value.
-                    row4 = blk * (s_blk // 4) + slot * (s_ent // 4)
-                    row2 = blk * (s_blk // 2) + slot * (s_ent // 2)
-                    pe = tl.load(src_bf16_ptr + row2[:, None] + (264 + k[None, :]),
-                                 mask=ok2 & pe_cm, other=0.0)
-                else:
-                    # Any byte alignment: assemble k_pe from byte pairs (bit-exact).
-                    pb = src_row[:, None] + (528 + 2 * k[None, :]) * s_col
-                    lo_b = tl.load(pb, mask=ok2 & pe_cm, other=0).to(tl.int32)
-                    hi_b = tl.load(pb + s_col, mask=ok2 & pe_cm, other=0).to(tl.int32)
-                    pe = (lo_b | (hi_b << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                tl.store(dst_row[:, None] + (512 + k[None, :]) * d_col, pe.to(tl.float32),
-                         mask=live2 & pe_cm)
-                # Four 128-value e4m3 tiles, each times its fp32 scale.
-                for t in tl.static_range(4):
-                    if ALIGNED:
-                        scale = tl.load(src_f32_ptr + row4 + (128 + t), mask=ok, other=0.0)
-                    else:
-                        sb = src_row + (512 + 4 * t) * s_col
-                        bits = tl.load(sb, mask=ok, other=0).to(tl.int32)
-                        bits |= tl.load(sb + s_col, mask=ok, other=0).to(tl.int32) << 8
-                        bits |= tl.load(sb + 2 * s_col, mask=ok, other=0).to(tl.int32) << 16
-                        bits |= tl.load(sb + 3 * s_col, mask=ok, other=0).to(tl.int32) << 24
-                        scale = bits.to(tl.float32, bitcast=True)
-                    cols = t * 128 + tl.arange(0, 128)
-                    cm = (cols < n_cols)[None, :]
-                    b = tl.load(src_row[:, None] + cols[None, :] * s_col, mask=ok2 & cm, other=0)
-                    v = e4m3_to_f32(b.to(tl.int32)) * scale[:, None]
-                    v = tl.where(ok2, v, 0.0)
-                    tl.store(dst_row[:, None] + cols[None, :] * d_col, v, mask=live2 & cm)
-            elif MODE == 4:
-                # 64 e4m3 k_pe bytes -> columns 512..575 (dst width is 576).
-                k = tl.arange(0, 64)
-                rb = tl.load(src_row[:, None] + (256 + k[None, :]) * s_col, mask=ok2, other=0)
-                pe = tl.where(ok2, e4m3_to_f32(rb.to(tl.int32)), 0.0)
-                tl.store(dst_row[:, None] + (512 + k[None, :]) * d_col, pe, mask=live2)
-                # 512 latent values in 4 chunks of 128: nibble (col & 1) of byte col // 2,
-                # times the e4m3 scale of block col // 16 at its permuted byte.
-                for t in tl.static_range(4):
-                    cols = t * 128 + tl.arange(0, 128)
-                    byte = tl.load(src_row[:, None] + (cols // 2)[None, :] * s_col, mask=ok2, other=0)
-                    nib = (byte.to(tl.int32) >> ((cols & 1) * 4)[None, :]) & 0xF
-                    blk = cols // 16
-                    sb = tl.load(src_row[:, None] + (320 + 8 * (blk & 3) + (blk >> 2))[None, :] * s_col,
-                                 mask=ok2, other=0)
-                    v = e2m1_to_f32(nib) * e4m3_to_f32(sb.to(tl.int32))
-                    v = tl.where(ok2, v, 0.0)
-                    tl.store(dst_row[:, None] + cols[None, :] * d_col, v, mask=live2)
-            else:
-                if MODE != 0:
-                    k_scale = tl.load(scale_ptr)
-                    # Not checked on the host (that would sync): an invalid
-                    # scale (NaN, inf, <= 0) gives NaN rows, as in the C++ kernels.
-                    k_scale = tl.where((k_scale > 0.0) & (k_scale <= 3.4028234663852886e38),
-                                       k_scale, float("nan"))
-                for c0 in range(0, n_cols, BLOCK_C):
-                    cols = c0 + tl.arange(0, BLOCK_C)
-                    cm = (cols < n_cols)[None, :]
-                    x = tl.load(src_row[:, None] + cols[None, :] * s_col, mask=ok2 & cm, other=0)
-                    if MODE == 1:
-                        x = tl.where(ok2, e4m3_to_f32(x.to(tl.int32)) * k_scale, 0.0)
-                    elif MODE == 2:
-                        x = tl.where(ok2, e5m2_to_f32(x.to(tl.int32)) * k_scale, 0.0)
-                    tl.store(dst_row[:, None] + cols[None, :] * d_col, x, mask=live2 & cm)
-
-
-if triton is not None:
 
     @triton.jit
     def _fp8_decode(b, E5M2: tl.constexpr, HW_FP8: tl.constexpr):
@@ -331,16 +232,9 @@ def _mode(fmt, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> int:
     return MODE_E4M3 if fmt.fp8_dtype == torch.float8_e4m3fn else MODE_E5M2
 
 
-KERNELS = ("paged", "rowwise")
-
-
-def triton_not_supported_reasons(src_cache: Tensor, dst: Tensor, kv_cache_dtype: str,
-                                 kernel: str = "paged") -> list[str]:
-    """Why `gather_triton(kernel=kernel)` cannot serve these tensors (empty list: it can).
-    Both kernels serve the same inputs."""
+def triton_not_supported_reasons(src_cache: Tensor, dst: Tensor, kv_cache_dtype: str) -> list[str]:
+    """Why `gather_triton` cannot serve these tensors (empty list: it can)."""
     why: list[str] = []
-    if kernel not in KERNELS:
-        why.append(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     if triton is None:
         why.append(f"triton is not importable ({_TRITON_IMPORT_ERROR})")
     if _interpreting():
@@ -422,16 +316,6 @@ def _hw_fp8(device: torch.device) -> bool:
     return _HW_FP8[idx]
 
 
-def _block_rows(dst_rows: int) -> int:
-    """Rows per program. The interpreter pays per program, so it gets big tiles. On a
-    GPU 32 rows x 64 (or 128 byte) columns give each of 128 threads 16-byte vectors;
-    below 64K rows, 16-row tiles keep >= 4 programs per SM (132 on an H100/H200) so
-    enough loads are in flight."""
-    if _interpreting():
-        return 64
-    return 32 if dst_rows >= 65536 else 16
-
-
 def _i32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -439,18 +323,14 @@ def _i32(t: Tensor) -> Tensor:
 def gather_triton(
     src_cache: Tensor, dst: Tensor, block_table: Tensor, cu_seq_lens: Tensor, num_reqs: int,
     kv_cache_dtype: str, k_scale: Tensor | None, seq_starts: Tensor | None = None,
-    block_rows: int | None = None, kernel: str = "rowwise",
+    block_rows: int | None = None,
 ) -> Tensor:
     """dst[cu[r] + i] = dequant(cache token seq_starts[r] + i of request r); returns dst.
 
     Argument values are not checked here (that is `checks.py`'s job, in the
-    public op); any value is memory-safe. `block_rows` overrides the tile height;
-    `kernel` is "paged" or "rowwise" (module docstring). The dispatcher's default
-    backend, "triton_paged", passes kernel="paged"; this function's own default
-    stays "rowwise" for direct callers (tests/errors/test_raw_op_bounds.py patches
-    `_gather_kernel` to watch its launches) until the GPU measurement retires it.
+    public op); any value is memory-safe. `block_rows` overrides the tile height.
     """
-    why = triton_not_supported_reasons(src_cache, dst, kv_cache_dtype, kernel)
+    why = triton_not_supported_reasons(src_cache, dst, kv_cache_dtype)
     if why:
         raise ValueError("gather_triton: " + "; ".join(why))
     out = dst
@@ -491,32 +371,17 @@ def gather_triton(
                and src_cache.stride(1) % 4 == 0 and src_cache.storage_offset() % 4 == 0)
     src_f32 = src_cache.view(torch.float32) if aligned else src_cache
     src_bf16 = src_cache.view(torch.bfloat16) if aligned else src_cache
-    if kernel == "paged":
-        rows, block_c, tail_c, warps = _paged_tiles(mode, dst.element_size(), dst.shape[1], dst.shape[0])
-        rows = block_rows or rows
-        grid = (triton.cdiv(dst.shape[0], rows),)
-        with launch_guard(dst):
-            _gather_paged_kernel[grid](
-                src_cache, src_f32, src_bf16, dst, bt, cu, starts, scale,
-                num_reqs, src_cache.shape[0], src_cache.shape[1], block_table.shape[1],
-                dst.shape[0], dst.shape[1], max(num_reqs.bit_length(), 1),
-                src_cache.stride(0), src_cache.stride(1), src_cache.stride(2),
-                bt.stride(0), bt.stride(1), dst.stride(0), dst.stride(1),
-                MODE=mode, HAS_STARTS=seq_starts is not None, ALIGNED=aligned, HW_FP8=_hw_fp8(dst.device),
-                BLOCK_R=rows, BLOCK_C=block_c, TAIL_C=tail_c, num_warps=warps,
-            )
-        return out
-    rows = block_rows or _block_rows(dst.shape[0])
+    rows, block_c, tail_c, warps = _paged_tiles(mode, dst.element_size(), dst.shape[1], dst.shape[0])
+    rows = block_rows or rows
     grid = (triton.cdiv(dst.shape[0], rows),)
     with launch_guard(dst):
-        _gather_kernel[grid](
+        _gather_paged_kernel[grid](
             src_cache, src_f32, src_bf16, dst, bt, cu, starts, scale,
             num_reqs, src_cache.shape[0], src_cache.shape[1], block_table.shape[1],
             dst.shape[0], dst.shape[1], max(num_reqs.bit_length(), 1),
             src_cache.stride(0), src_cache.stride(1), src_cache.stride(2),
             bt.stride(0), bt.stride(1), dst.stride(0), dst.stride(1),
-            MODE=mode, HAS_STARTS=seq_starts is not None, ALIGNED=aligned,
-            # 16 bytes per thread per row chunk: 64 columns of 2-4 byte values, 128 of bytes.
-            BLOCK_R=rows, BLOCK_C=128 if src_cache.element_size() == 1 else 64, num_warps=4,
+            MODE=mode, HAS_STARTS=seq_starts is not None, ALIGNED=aligned, HW_FP8=_hw_fp8(dst.device),
+            BLOCK_R=rows, BLOCK_C=block_c, TAIL_C=tail_c, num_warps=warps,
         )
     return out

@@ -3,12 +3,9 @@
 Backends, in the stated priority order (the first one with no reasons serves
 the call when no measurement decides, see below):
 - marlin_w8a16     Marlin fp8 weight-only GEMM (sm_80+), while M <= MARLIN_MAX_M
-                   (the v2 kernel: split-K, up to 64-row CTA tiles)
+                   (split-K, up to 64-row CTA tiles)
 - triton_w4a16     NVFP4 dequant-in-kernel GEMM (sm_80+), while M <= W4A16_MAX_M
-                   (version 2: packed tiles loaded along K, unpacked in registers)
-- marlin_w8a16_v1, triton_w4a16_v1: the first kernels of those two, same
-                   reasons and thresholds; reached only when forced or measured
-                   faster (benchmarks time them beside the new ones)
+                   (packed tiles loaded along K, unpacked in registers)
 - scaled_mm_block  block fp8 W8A8 (DeepSeek 1x128 / 128x128 scales) through
                    torch._scaled_mm's cuBLASLt blockwise scaling (sm_90 only, when
                    this torch build's probe passes; scaled_mm_block.py)
@@ -148,11 +145,11 @@ def _marlin_module():
     return marlin, ""
 
 
-def _marlin_reasons(inp: KvBProjInputs, name: str = "marlin_w8a16") -> list[str]:
+def _marlin_reasons(inp: KvBProjInputs) -> list[str]:
     why = _format_reason(inp, W.MarlinFp8Weight)
     if why:
         return why
-    why = _gpu_reasons(name, inp, (8, 0), "the Marlin packed-layout CPU reference")
+    why = _gpu_reasons("marlin_w8a16", inp, (8, 0), "the Marlin packed-layout CPU reference")
     if inp.act_dtype != inp.layer.params_dtype:
         why.append(f"activation dtype must be {inp.layer.params_dtype} (packed for it), got {inp.act_dtype}")
     marlin, err = _marlin_module()
@@ -163,44 +160,28 @@ def _marlin_reasons(inp: KvBProjInputs, name: str = "marlin_w8a16") -> list[str]
     return why
 
 
-def _marlin_v1_reasons(inp: KvBProjInputs) -> list[str]:
-    return _marlin_reasons(inp, "marlin_w8a16_v1")
-
-
-def _marlin_run(inp: KvBProjInputs, version: int = 2) -> torch.Tensor:
-    y = marlin_fp8_gemm(inp.x, inp.layer.weight_format.packed, out_dtype=inp.layer.params_dtype, version=version)
+def _marlin_run(inp: KvBProjInputs) -> torch.Tensor:
+    y = marlin_fp8_gemm(inp.x, inp.layer.weight_format.packed, out_dtype=inp.layer.params_dtype)
     return _into(y, inp)
-
-
-def _marlin_v1_run(inp: KvBProjInputs) -> torch.Tensor:
-    return _marlin_run(inp, version=1)
 
 
 # -- triton_w4a16 ------------------------------------------------------------
 
-def _w4a16_reasons(inp: KvBProjInputs, name: str = "triton_w4a16") -> list[str]:
+def _w4a16_reasons(inp: KvBProjInputs) -> list[str]:
     why = _format_reason(inp, W.Nvfp4Weight)
     if why:
         return why
-    why = _gpu_reasons(name, inp, (8, 0), "the Triton interpreter")
+    why = _gpu_reasons("triton_w4a16", inp, (8, 0), "the Triton interpreter")
     if inp.act_dtype not in W.ACT_DTYPES:
         why.append(f"activation dtype must be bf16 or fp16 (W4A16), got {inp.act_dtype}")
     return why + _x_unit_stride(inp)
 
 
-def _w4a16_v1_reasons(inp: KvBProjInputs) -> list[str]:
-    return _w4a16_reasons(inp, "triton_w4a16_v1")
-
-
-def _w4a16_run(inp: KvBProjInputs, version: int = 2) -> torch.Tensor:
+def _w4a16_run(inp: KvBProjInputs) -> torch.Tensor:
     from mla_ext.kv_b_proj.triton_w4a16 import nvfp4_w4a16_matmul
 
     f = inp.layer.weight_format
-    return nvfp4_w4a16_matmul(inp.x, f.weight, f.weight_scale, f.weight_scale_2, out=inp.out, version=version)
-
-
-def _w4a16_v1_run(inp: KvBProjInputs) -> torch.Tensor:
-    return _w4a16_run(inp, version=1)
+    return nvfp4_w4a16_matmul(inp.x, f.weight, f.weight_scale, f.weight_scale_2, out=inp.out)
 
 
 # -- scaled_mm_block ---------------------------------------------------------
@@ -422,11 +403,6 @@ def _table_key(inp: KvBProjInputs) -> tuple[str, list[str]]:
 DISPATCH = Dispatcher(OP, [
     Backend("marlin_w8a16", _marlin_reasons, _marlin_run, _marlin_heuristic),
     Backend("triton_w4a16", _w4a16_reasons, _w4a16_run, _w4a16_heuristic),
-    # The first kernels, kept selectable (forced, or a measurement table that finds
-    # them faster) until a GPU has measured old beside new; never chosen by the
-    # stated order, since the new kernel above serves the same inputs.
-    Backend("marlin_w8a16_v1", _marlin_v1_reasons, _marlin_v1_run, _marlin_heuristic),
-    Backend("triton_w4a16_v1", _w4a16_v1_reasons, _w4a16_v1_run, _w4a16_heuristic),
     Backend("scaled_mm_block", _smm_block_reasons, _smm_block_run, _fp8_block_heuristic),
     Backend("triton_fp8_block", _fp8_block_reasons, _fp8_block_run, _fp8_block_heuristic),
     Backend("scaled_mm_fp8", _scaled_mm_reasons, _scaled_mm_run, _fp8_heuristic),
@@ -660,8 +636,6 @@ def warm_rows(max_rows: int) -> list[int]:
 _NEEDS = {
     "marlin_w8a16": (8, 0),
     "triton_w4a16": (8, 0),
-    "marlin_w8a16_v1": (8, 0),
-    "triton_w4a16_v1": (8, 0),
     "triton_fp8_block": (8, 9),
     "scaled_mm_fp8": (8, 9),
 }  # scaled_mm_block: sm_90 exactly, and this torch build's probe (below)
@@ -679,7 +653,7 @@ def backend_report() -> list[tuple[str, str, list[str]]]:
                 why.append("no CUDA device visible (CPU only when forced)")
             elif cap < need:
                 why.append(f"needs sm_{need[0]}{need[1]}+, device is sm_{cap[0]}{cap[1]}")
-        if b.name in ("marlin_w8a16", "marlin_w8a16_v1"):
+        if b.name == "marlin_w8a16":
             mod, err = _marlin_module()
             if mod is None:
                 why.append(err)

@@ -222,20 +222,18 @@ def marlin_fp8_slice_rows(packed: MarlinFp8Packed, start: int, stop: int) -> Mar
     return MarlinFp8Packed(qweight, scales, stop - start, packed.K, packed.group_size, packed.act_dtype)
 
 
-GEMM_VERSIONS = (1, 2)
 MAX_SPLIT_K = 64  # kV2MaxSplit in csrc/kv_b_proj/marlin_fp8.h
 
 
 def marlin_fp8_gemm(
     a: torch.Tensor, packed: MarlinFp8Packed, out_dtype: torch.dtype | None = None, *,
-    version: int = 2, split_k: int = 0,
+    split_k: int = 0,
 ) -> torch.Tensor:
     """a [M, K] (dtype packed.act_dtype; row stride may exceed K, last dim contiguous) -> [M, N].
 
     out_dtype defaults to packed.act_dtype (bf16, fp16 or fp32 allowed).
-    version: the CUDA kernel, 2 (split-K, up to 64-row CTA tiles; the default)
-    or 1 (64-column CTAs, no split-K; kept until a GPU has measured both).
-    split_k (version 2): K slices, 0 = chosen from the output tiles and the SM
+    The CUDA kernel splits K and takes up to 64-row CTA tiles.
+    split_k: K slices, 0 = chosen from the output tiles and the SM
     count (`plan_v2`); on the CPU, 0 is one slice and n reproduces the
     kernel's n-slice summation order.
     """
@@ -243,13 +241,11 @@ def marlin_fp8_gemm(
              f"a: expected dtype {packed.act_dtype} (the dtype the weight was packed for), got {a.dtype}")
     _require(out_dtype is None or out_dtype in OUT_DTYPES,
              f"out_dtype: expected one of {OUT_DTYPES} or None, got {out_dtype}")
-    _require(type(version) is int and version in GEMM_VERSIONS, f"version: expected 1 or 2, got {version!r}")
     _require(type(split_k) is int and 0 <= split_k <= MAX_SPLIT_K,
              f"split_k: expected an int from 0 (automatic) to {MAX_SPLIT_K}, got {split_k!r}")
-    _require(version == 2 or split_k == 0, f"split_k: version 1 has no split-K (expected 0), got {split_k}")
     return _ext.ops().marlin_fp8_gemm(
         a, packed.qweight, packed.scales, packed.N, packed.K, packed.group_size, packed.act_dtype, out_dtype,
-        version, split_k,
+        split_k,
     )
 
 

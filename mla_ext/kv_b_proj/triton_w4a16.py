@@ -5,8 +5,7 @@ out[m, n] = global * sum_k x[m, k] * e2m1(w[n, k]) * e4m3(s[n, k // 16])
 Layout (SPEC §5): w uint8 [N, K/2], low nibble = even k; s e4m3 [N, K/16];
 global fp32 [1] (read on the device, so no host synchronisation).
 
-Two kernels (`version`):
-- 2 (default, `_w4a16_kernel`): the packed [BLOCK_N, BLOCK_K/2] tile is loaded
+The kernel (`_w4a16_kernel`): the packed [BLOCK_N, BLOCK_K/2] tile is loaded
   as it lies in memory, contiguous along K (16-byte vector loads that Triton's
   pipeliner turns into cp.async), and unpacked in registers: low and high
   nibbles joined and reshaped into [BLOCK_N, BLOCK_K] (k = 2i, 2i+1). A nibble
@@ -16,9 +15,6 @@ Two kernels (`version`):
   significant bits, so the product, and its cast to the activation dtype,
   are exact. Configurations keep registers under 128 on sm_86 and sm_90 with
   no spills (tests/kv_b_proj/test_kv_b_proj_triton_aot.py reports them).
-- 1 (`_w4a16_v1_kernel`, the first kernel, kept selectable until a GPU has
-  measured both): a [BLOCK_K, BLOCK_N] tile of single-byte loads (each byte
-  read twice, once per nibble), arithmetic decode; 148-202 registers.
 Under TRITON_INTERPRET bf16 arithmetic and bf16 `tl.dot` are wrong, so there
 everything is fp32 (DOT_FP32); on a GPU the decoded tile is cast to the
 activation dtype for a 16-bit tensor-core dot with fp32 accumulation.
@@ -33,8 +29,6 @@ import triton.language as tl
 
 from mla_ext.kv_b_proj import reference as ref
 from mla_ext.triton_fp8 import e4m3_to_f32, launch_guard
-
-VERSIONS = (1, 2)
 
 
 # register budget: 128
@@ -85,52 +79,12 @@ def _w4a16_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-# register budget: 255
-@triton.jit(do_not_specialize=["M"])  # batch-varying: no re-compile
-def _w4a16_v1_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
-                     stride_am, stride_bn, stride_sn, stride_cm,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_FP32: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k = kb * BLOCK_K + offs_k
-        k_ok = k < K
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wmask = k_ok[:, None] & n_ok[None, :]
-        byte = tl.load(b_ptr + offs_n[None, :] * stride_bn + (k // 2)[:, None], mask=wmask, other=0).to(tl.int32)
-        nib = (byte >> ((k % 2) * 4)[:, None]) & 0xF
-        e = (nib >> 1) & 3
-        mb = (nib & 1).to(tl.float32)
-        pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
-        mag = tl.where(e == 0, mb * 0.5, (1.0 + mb * 0.5) * pow2)
-        val = tl.where((nib >> 3) == 1, -mag, mag)
-        # e4m3 block scales arrive as raw bytes: no fp8 type on sm_86.
-        sbyte = tl.load(s_ptr + offs_n[None, :] * stride_sn + (k // 16)[:, None], mask=wmask, other=0)
-        sc = e4m3_to_f32(sbyte.to(tl.int32))
-        w = val * sc  # [BLOCK_K, BLOCK_N]
-        if DOT_FP32:
-            acc += tl.dot(a.to(tl.float32), w)
-        else:
-            acc += tl.dot(a, w.to(a.dtype))
-    acc = acc * tl.load(g_ptr)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _config(m: int, n: int | None = None, sm_count: int | None = None) -> dict:
-    """Launch config of the version-2 kernel for M rows (and N columns on a device
+    """Launch config of the kernel for M rows (and N columns on a device
     with `sm_count` SMs: M <= 16 takes 32-column tiles when 64-column ones would
     leave SMs idle). Registers on sm_86 / sm_90 (ptxas, triton 3.8, K = 512): 52-70
     (M <= 16), 111-120 (<= 32), 82-92 (<= 64), 82-113 (larger); no spills."""
@@ -146,27 +100,9 @@ def _config(m: int, n: int | None = None, sm_count: int | None = None) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=4, DOT_FP32=False)
 
 
-def _config_v1(m: int) -> dict:
-    """Launch config of the version-1 kernel. Its M > 16 tiles take 32-wide K steps since
-    issue 19: the earlier 64x64x128 (4 warps) and 128x128x64 (8 warps) spilled 0.4-1.6 KB
-    per thread under Triton 3.6 (the lent GPU's); 64x64x32 and 128x128x32 spill nothing
-    under 3.6 or 3.8 on sm_86 / sm_90 (tests/build/test_ptxas_budget.py)."""
-    if _interpreting():
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=1, DOT_FP32=True)
-    if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, DOT_FP32=False)
-    if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, DOT_FP32=False)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, DOT_FP32=False)
-
-
 def nvfp4_w4a16_matmul(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, global_scale: torch.Tensor,
-                       out: torch.Tensor | None = None, *, version: int = 2) -> torch.Tensor:
-    """x [M, K] bf16/fp16 (unit K stride, any row stride) -> [M, N] in x.dtype.
-
-    version: 2 (wide packed loads, the default) or 1 (the first kernel)."""
-    if type(version) is not int or version not in VERSIONS:
-        raise ValueError(f"version: expected 1 or 2, got {version!r}")
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16/fp16 (unit K stride, any row stride) -> [M, N] in x.dtype."""
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bf16 or fp16 [M, K], got {x.dtype} shape {tuple(x.shape)}")
     m, k = x.shape
@@ -188,14 +124,11 @@ def nvfp4_w4a16_matmul(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
         raise ValueError(f"out must be {x.dtype} [{m}, {n}] with unit column stride")
     if m == 0 or n == 0:
         return out
-    if version == 1:
-        kernel, cfg = _w4a16_v1_kernel, _config_v1(m)
-    else:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
-        kernel, cfg = _w4a16_kernel, _config(m, n, sms)
-        cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
+    cfg = _config(m, n, sms)
+    cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     with launch_guard(out):
-        kernel[grid](x, w_packed, w_scale.view(torch.uint8), global_scale, out, m, n, k,
+        _w4a16_kernel[grid](x, w_packed, w_scale.view(torch.uint8), global_scale, out, m, n, k,
                      x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0), **cfg)
     return out

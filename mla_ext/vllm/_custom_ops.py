@@ -7,7 +7,7 @@ place; every op returns None. Each op is a torch op in the ``mla_ext_vllm``
 namespace (``torch.ops.mla_ext_vllm.<name>``) with a fake kernel, so
 ``torch.compile(fullgraph=True)`` traces through it. Behind each op is the
 native API (mla_ext.cache.api / mla_ext.attention.api) and so its backends:
-C++ CPU, CUDA, Triton (forced with ``GATHER.force("triton")`` /
+C++ CPU, CUDA, Triton (forced with ``GATHER.force("triton_paged")`` /
 ``MERGE.force("triton")`` or MLA_EXT_FORCE_GATHER / MLA_EXT_FORCE_MERGE).
 
 Errors are ValueErrors naming the argument and the expected value. The checks

@@ -1,4 +1,4 @@
-"""torch.compile support: every tensor op in csrc/bindings.cpp has a fake kernel
+"""torch.compile support: every tensor op of csrc/registration.cpp has a fake kernel
 (mla_ext/_fake.py) that agrees with the real one, proven by
 `torch.library.opcheck` (schema, fake tensor, autograd registration, AOT
 dispatch) on small CPU inputs. A new op without a case here fails

@@ -19,14 +19,13 @@ pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KERNELS = {
-    "_write_kernel", "_amax_kernel", "_scale_kernel", "_gather_paged_kernel", "_gather_kernel",
-    "_attn_fwd_kernel", "_merge_kernel", "_latent_attn_kernel", "_w4a16_kernel", "_w4a16_v1_kernel",
+    "_write_kernel", "_amax_kernel", "_scale_kernel", "_gather_paged_kernel",
+    "_attn_fwd_kernel", "_merge_kernel", "_latent_attn_kernel", "_w4a16_kernel",
     "_fp8_block_gemm_kernel", "_group_quant_kernel",
 }
 # Arguments that must have taken several values in the probe (else it proves nothing).
 MUST_VARY = {
     "_gather_paged_kernel": {"num_reqs", "max_blocks", "dst_rows", "search_steps"},
-    "_gather_kernel": {"num_reqs", "max_blocks", "dst_rows", "search_steps"},
     "_attn_fwd_kernel": {"lse_sh"},
     "_merge_kernel": {"num_rows"},
     "_latent_attn_kernel": {"max_blocks", "lse_sh"},

@@ -57,7 +57,7 @@ def _drive(seed: int = 0) -> None:
             triton_write.write_triton(kv_c, k_pe, cache, torch.arange(T), fmt, torch.ones(1))
     for T in (1, 16, 37, 100):
         triton_write.kv_scale_triton(torch.randn(T, 512, dtype=bf), torch.randn(T, 64, dtype=bf), "fp8")
-    # Gathers (both kernels): requests, table widths and dst rows vary.
+    # The gather: requests, table widths and dst rows vary.
     from helpers.gather import make_batch, make_cache
 
     for fmt in ("fp8_ds_mla", "fp8", "nvfp4_ds_mla"):
@@ -65,8 +65,7 @@ def _drive(seed: int = 0) -> None:
         for num_reqs, max_blocks in ((1, 1), (2, 3), (3, 16), (16, 5), (5, 32)):
             bt, cu, starts = make_batch(rng, num_reqs, 32, 16, max_blocks)
             dst = torch.empty(max(int(cu[-1]), 1) + rng.randint(0, 3), 576, dtype=bf)
-            for kernel in ("paged", "rowwise"):
-                triton_gather.gather_triton(cache, dst, bt, cu, num_reqs, fmt, ks, starts, kernel=kernel)
+            triton_gather.gather_triton(cache, dst, bt, cu, num_reqs, fmt, ks, starts)
     # Attention (varlen), merge, latent attention.
     N = 4
     for lens in ((1,), (16,), (3, 34), (5, 7, 9, 11)):
@@ -121,8 +120,7 @@ def _drive(seed: int = 0) -> None:
     ws = torch.rand(Nw // 128, K // 128)
     for M in (1, 3, 16, 20, 32, 37, 64, 100, 256):
         x = torch.randn(M, K, dtype=bf)
-        for version in (1, 2):
-            triton_w4a16.nvfp4_w4a16_matmul(x, w4, w4s, torch.ones(1), version=version)
+        triton_w4a16.nvfp4_w4a16_matmul(x, w4, w4s, torch.ones(1))
         triton_fp8_block.w8a8_block_fp8_matmul(torch.randn(M, K).to(torch.float8_e4m3fn), torch.rand(M, K // 128),
                                                wq, ws, bf)
         mp, kp = triton_group_quant.padded_shape(M, K)

@@ -320,7 +320,7 @@ def test_backend_report_and_explain():
     cpu = [r for op, b, r in rows if b == "cpu"]
     assert all(r == [] for r in cpu)
     cuda = [r for op, b, r in rows if b.startswith("cuda")]
-    assert len(cuda) == 8 and all(cuda)  # two CUDA kernels per op; CPU tensors: each states why not
+    assert len(cuda) == 4 and all(cuda)  # one CUDA kernel per op; CPU tensors: each states why not
     inp = api._probe_inputs(torch.device("cpu"))["gather"][1]
     assert "uses 'cpu'" in api.explain("gather", inp)
 
@@ -347,16 +347,14 @@ def test_dispatcher_forces_triton_and_states_reasons():
     want = buf.clone()
     ref.gather_ref(cache, want[3:-3], bt, cu, 3, "fp8_ds_mla", k_scale, starts)
     inp = api.GatherInputs(cache, dst, bt, cu, 3, "fp8_ds_mla", k_scale, starts)
-    if api.GATHER.get("triton").not_supported_reasons(inp):
-        pytest.skip("Triton cannot run here: " + "; ".join(api.GATHER.get("triton").not_supported_reasons(inp)))
-    # "triton" is the newest Triton kernel ("triton_paged"); the earlier one stays selectable.
-    for name, shown in (("triton", "triton_paged"), ("triton_rowwise", "triton_rowwise")):
-        dst.fill_(float("nan"))
-        with api.GATHER.force(name):
-            assert f"uses '{shown}'" in api.explain("gather", inp)
-            api.gather_and_maybe_dequant_cache(cache, dst, bt, cu, 3, "fp8_ds_mla", k_scale, starts)
-        assert same_bits(buf, want)
-    with api.GATHER.force("cuda"), pytest.raises(NoBackendError, match="cuda"):
+    if api.GATHER.get("triton_paged").not_supported_reasons(inp):
+        pytest.skip("Triton cannot run here: " + "; ".join(api.GATHER.get("triton_paged").not_supported_reasons(inp)))
+    dst.fill_(float("nan"))
+    with api.GATHER.force("triton_paged"):
+        assert "uses 'triton_paged'" in api.explain("gather", inp)
+        api.gather_and_maybe_dequant_cache(cache, dst, bt, cu, 3, "fp8_ds_mla", k_scale, starts)
+    assert same_bits(buf, want)
+    with api.GATHER.force("cuda_paged"), pytest.raises(NoBackendError, match="cuda"):
         api.gather_and_maybe_dequant_cache(cache, dst, bt, cu, 3, "fp8_ds_mla", k_scale, starts)
 
 

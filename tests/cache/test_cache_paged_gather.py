@@ -1,7 +1,7 @@
 """The page-granular gathers and the vectorised writer against the CPU kernel.
 
 Without a GPU the CUDA kernels' own code runs in a host emulator:
-csrc/cache/paged_gather_emulator.cpp, built here with the system C++ compiler,
+tests/cache/emulator/paged_gather_emulator.cpp, built here with the system C++ compiler,
 runs csrc/cache/paged_gather.h / write_lanes.h / vec.h thread by thread (the
 kernels' phases separated as their __syncthreads and shuffles separate them);
 only the few device instructions behind __CUDA_ARCH__ are replaced by the
@@ -12,7 +12,7 @@ mid-page, zero-length requests, out-of-range block ids (zero rows), strided
 and misaligned caches and dst (the narrower fallback paths), and every format.
 
 With a GPU (`cuda` tests) the same cases run through the real kernels:
-backend "cuda_paged" (and "cuda_rowwise") against the CPU kernel, "cuda_vector"
+backend "cuda_paged" against the CPU kernel, "cuda_vector"
 writer and kv scale against the CPU kernel, and a CUDA-graph capture.
 
 The Triton paged gather runs in the interpreter (small shapes) against the
@@ -58,7 +58,7 @@ FORMAT_ID = {"auto": 0, "bfloat16": 1, "float16": 2, "fp8": 3, "fp8_e4m3": 3, "f
 
 # -- the emulator ----------------------------------------------------------------
 
-EMU_SRC = os.path.join(ROOT, "csrc", "cache", "paged_gather_emulator.cpp")
+EMU_SRC = os.path.join(ROOT, "tests", "cache", "emulator", "paged_gather_emulator.cpp")
 
 
 def _emu_sources() -> list[str]:
@@ -99,7 +99,7 @@ def _ptr(t):
 
 
 def emulate_gather(lib, cache, dst, bt, cu, num_reqs, fmt_name, k_scale, starts, rounds=0):
-    """gather_cuda_paged on the host, with the parameters csrc/bindings.cpp would pass.
+    """gather_cuda on the host, with the parameters csrc/cache/cache_ops.cpp would pass.
     fmt_name None: cp_gather_cache. Returns (decoder name, rows per CTA)."""
     raw = fmt_name is None or dst.dtype == cache.dtype
     if raw:
@@ -508,47 +508,19 @@ def test_torch_division_by_power_of_two_is_multiplication():
         assert same_bits(a, b), k
 
 
-# -- the compiled ops' kernel argument and the dispatcher -------------------------------
+# -- the dispatcher ----------------------------------------------------------------------
 
-@needs_ext
-def test_kernel_argument_values():
-    """kernel 0 / 1 are accepted on the CPU (ignored there), anything else is a ValueError."""
-    ops = _ext.ops()
-    cache, ks = make_cache("fp8", 2, 4, 32, 16, gen=torch.Generator().manual_seed(1))
-    bt = torch.zeros(1, 1, dtype=torch.int32)
-    cu = torch.tensor([0, 3], dtype=torch.int32)
-    outs = []
-    for kernel in (0, 1):
-        dst = torch.full((3, 48), float("nan"))
-        ops.gather_and_maybe_dequant_cache(cache, dst, bt, cu, 1, "fp8", ks, None, kernel)
-        outs.append(dst)
-    assert same_bits(outs[0], outs[1]) and not outs[0].isnan().any()
-    for bad in (2, -1):
-        with pytest.raises(ValueError, match="kernel"):
-            ops.gather_and_maybe_dequant_cache(cache, torch.zeros(3, 48), bt, cu, 1, "fp8", ks, None, bad)
-        with pytest.raises(ValueError, match="kernel"):
-            ops.cp_gather_cache(cache, torch.zeros(3, 48, dtype=torch.uint8), bt, cu, 1, None, bad)
-        with pytest.raises(ValueError, match="kernel"):
-            ops.concat_and_cache_mla(torch.zeros(1, 32), torch.zeros(1, 16), cache, torch.zeros(1, dtype=torch.long),
-                                     "fp8", ks, bad)
-        with pytest.raises(ValueError, match="kernel"):
-            ops.compute_kv_scale(torch.zeros(1, 32), torch.zeros(1, 16), "fp8", bad)
-
-
-def test_dispatchers_list_new_before_old_and_keep_old_names():
-    assert [b.name for b in api.GATHER.backends] == ["cuda_paged", "cuda_rowwise", "cpu", "triton_paged",
-                                                      "triton_rowwise"]
-    assert [b.name for b in api.WRITE.backends] == ["cuda_vector", "cuda_scalar", "cpu", "triton"]
-    assert [b.name for b in api.KV_SCALE.backends] == ["cuda_vector", "cuda_scalar", "cpu", "triton"]
-    assert api.GATHER.get("cuda").name == "cuda_paged" and api.GATHER.get("triton").name == "triton_paged"
-    assert api.WRITE.get("cuda").name == "cuda_vector" and api.KV_SCALE.get("cuda").name == "cuda_vector"
+def test_dispatchers_list_cuda_then_cpu_then_triton():
+    assert [b.name for b in api.GATHER.backends] == ["cuda_paged", "cpu", "triton_paged"]
+    assert [b.name for b in api.WRITE.backends] == ["cuda_vector", "cpu", "triton"]
+    assert [b.name for b in api.KV_SCALE.backends] == ["cuda_vector", "cpu", "triton"]
     inp = api._probe_inputs(torch.device("cpu"))["gather"][1]
     why = api.GATHER.reasons_by_backend(inp)
-    assert why["cuda_paged"] and why["cuda_rowwise"]  # CPU tensors: both say why not
+    assert why["cuda_paged"]  # CPU tensors: it says why not
     if _ext.available():
         assert why["cpu"] == []
         assert "uses 'cpu'" in api.explain("gather", inp)
-    with api.GATHER.force("cuda"):
+    with api.GATHER.force("cuda_paged"):
         assert "forced" in api.explain("gather", inp) and "cuda_paged" in api.explain("gather", inp)
 
 
@@ -557,7 +529,7 @@ def test_dispatchers_list_new_before_old_and_keep_old_names():
 needs_triton = pytest.mark.skipif(tg.triton is None, reason="triton is not installed")
 
 
-def _triton_exact_case(seed, fmt, dst_dtype, kernel, device="cpu", **kw):
+def _triton_exact_case(seed, fmt, dst_dtype, device="cpu", **kw):
     # A power-of-two k_scale: every product is exact in bf16/fp16 as well (the
     # interpreter's fp32 -> 16-bit stores truncate; exact values are unaffected).
     cache, ks, bt, cu, starts, dst, buf, width, n = gather_case(seed, fmt, dst_dtype,
@@ -574,7 +546,7 @@ def _triton_exact_case(seed, fmt, dst_dtype, kernel, device="cpu", **kw):
         dst = buf[3:3 + dst.shape[0], col:col + width]
         cache = strided_copy(cache, device)
         bt, cu, starts, ks = (t.to(device) for t in (bt, cu, starts, ks))
-    tg.gather_triton(cache, dst, bt, cu, n, fmt, ks, starts, kernel=kernel)
+    tg.gather_triton(cache, dst, bt, cu, n, fmt, ks, starts)
     assert same_bits(buf.cpu(), want_buf)
 
 
@@ -583,7 +555,7 @@ def _triton_exact_case(seed, fmt, dst_dtype, kernel, device="cpu", **kw):
 def test_triton_paged_matches_reference_bit_exactly(fmt):
     for i, dd in enumerate(_dst_dtypes(fmt)):
         for layout in ("dense", "strided"):
-            _triton_exact_case(200 + i, fmt, dd, "paged", B=16, layout=layout, bad_ids=i % 2 == 1,
+            _triton_exact_case(200 + i, fmt, dd, B=16, layout=layout, bad_ids=i % 2 == 1,
                                dst_col=8 if i == 2 else 0, dst_pad=8 if i == 2 else 0)
 
 
@@ -592,10 +564,10 @@ def test_triton_paged_matches_reference_bit_exactly(fmt):
 def test_triton_paged_odd_layouts(fmt):
     """Block size 1 and 64, odd byte offsets (the ds_mla byte path), cu not at 0."""
     for B in (1, 64):
-        _triton_exact_case(300 + B, fmt, _dst_dtypes(fmt)[-2 if len(_dst_dtypes(fmt)) > 1 else 0], "paged", B=B,
+        _triton_exact_case(300 + B, fmt, _dst_dtypes(fmt)[-2 if len(_dst_dtypes(fmt)) > 1 else 0], B=B,
                            cu_offset=3, num_reqs=6)
     if fmt != "bfloat16":
-        _triton_exact_case(333, fmt, torch.float32, "paged", B=16, layout="misaligned")
+        _triton_exact_case(333, fmt, torch.float32, B=16, layout="misaligned")
 
 
 @needs_triton
@@ -639,7 +611,7 @@ def test_triton_paged_launch_runs_under_the_device_guard(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", Guard)
     monkeypatch.setattr(tg, "_gather_paged_kernel", Fake())
     cache, ks, bt, cu, starts, dst, buf, width, n = gather_case(3, "fp8", torch.float32)
-    tg.gather_triton(cache, dst, bt, cu, n, "fp8", ks, starts, kernel="paged")
+    tg.gather_triton(cache, dst, bt, cu, n, "fp8", ks, starts)
     assert launches == [1] and entered == [-1]
 
 
@@ -743,9 +715,9 @@ def _cuda_case(seed, fmt, dst_dtype, backend, **kw):
 
 @needs_ext
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["cuda_paged", "cuda_rowwise"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cuda_gather_matches_cpu_every_format(backend, fmt):
+def test_cuda_gather_matches_cpu_every_format(fmt):
+    backend = "cuda_paged"
     for i, dd in enumerate(_dst_dtypes(fmt)):
         for B in (1, 16, 64):
             _cuda_case(400 + 10 * i + B, fmt, dd, backend, B=B)
@@ -769,10 +741,10 @@ def test_cuda_paged_property(fmt, dst_i, B, num_reqs, layout, bad_ids, dst_col, 
 
 @needs_ext
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["cuda_vector", "cuda_scalar"])
 @pytest.mark.parametrize("fmt", WRITE_FORMATS)
 @pytest.mark.parametrize("layout", ["dense", "strided", "misaligned"])
-def test_cuda_writer_matches_cpu(backend, fmt, layout):
+def test_cuda_writer_matches_cpu(fmt, layout):
+    backend = "cuda_vector"
     for i, in_dtype, R, scale in _writer_cases(fmt, (1.0, 0.25, 0.0137)):
         base, cache_of, kv_c, k_pe, slots = _write_inputs(31 * i + R, fmt, in_dtype, 300, R, layout, True)
         ks = torch.tensor([scale], dtype=torch.float32)
@@ -787,9 +759,9 @@ def test_cuda_writer_matches_cpu(backend, fmt, layout):
 
 @needs_ext
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["cuda_vector", "cuda_scalar"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_kv_scale_matches_cpu(backend, dtype):
+def test_cuda_kv_scale_matches_cpu(dtype):
+    backend = "cuda_vector"
     gen = torch.Generator().manual_seed(5)
     kv_full = (torch.randn(333, 5003, generator=gen) * 7).to(dtype)
     kv_c, k_pe = kv_full[:, 1:5001], (torch.randn(333, 64, generator=gen) * 20).to(dtype)
@@ -829,8 +801,8 @@ def test_cuda_paged_gather_is_graph_capturable(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_triton_paged_matches_reference(fmt):
     for i, dd in enumerate(_dst_dtypes(fmt)):
-        _triton_exact_case(800 + i, fmt, dd, "paged", device="cuda", B=16, bad_ids=True)
-        _triton_exact_case(900 + i, fmt, dd, "rowwise", device="cuda", B=64, layout="strided")
+        _triton_exact_case(800 + i, fmt, dd, device="cuda", B=16, bad_ids=True)
+        _triton_exact_case(900 + i, fmt, dd, device="cuda", B=64, layout="strided")
 
 
 def test_emulator_source_lists_its_entry_points():

@@ -1,5 +1,5 @@
-"""Triton gathers (mla_ext.cache.triton_gather: the paged and the row-wise kernel)
-against reference.gather_ref.
+"""The Triton gather (mla_ext.cache.triton_gather, the paged kernel) against
+reference.gather_ref. Its ahead-of-time compile check is in test_cache_paged_gather.py.
 
 Runs in the Triton interpreter on the CPU (conftest sets TRITON_INTERPRET) and
 on a GPU when one is visible (`cuda` tests). Interpreter fp32 -> bf16/fp16
@@ -36,7 +36,7 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor, exact: bool):
 
 
 def _check_case(device, fmt, model_dtype, dst_dtype, B, num_blocks, max_blocks, num_reqs,
-                L, R, strided, bad_ids, seed, pad_cols=0, extra_rows=5, kernel="paged"):
+                L, R, strided, bad_ids, seed, pad_cols=0, extra_rows=5):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     cache, ks = make_cache(fmt, num_blocks, B, L, R, model_dtype, strided=strided, gen=gen)
@@ -52,7 +52,7 @@ def _check_case(device, fmt, model_dtype, dst_dtype, B, num_blocks, max_blocks, 
         got = got_buf[3: 3 + T, :width]
         cache = strided_copy(cache, device)
         bt, cu, starts, ks = (t.to(device) for t in (bt, cu, starts, ks))
-    tg.gather_triton(cache, got, bt, cu, num_reqs, fmt, ks, starts, kernel=kernel)
+    tg.gather_triton(cache, got, bt, cu, num_reqs, fmt, ks, starts)
     # Rows past cu[-1], the guard rows around dst and the padding columns stay poisoned.
     _assert_matches(got_buf.cpu(), want_buf, exact=device != "cpu")
 
@@ -89,56 +89,49 @@ def _draw_case(data, fmt, model_dtype):
     )
 
 
-KERNELS = ["paged", "rowwise"]  # gather_triton(kernel=...): the dispatcher's default first
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("fmt,model_dtype", FORMAT_CASES)
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_gather_matches_reference(fmt, model_dtype, kernel, data):
-    _check_case("cpu", **_draw_case(data, fmt, model_dtype), kernel=kernel)
+def test_gather_matches_reference(fmt, model_dtype, data):
+    _check_case("cpu", **_draw_case(data, fmt, model_dtype))
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("fmt,model_dtype", FORMAT_CASES)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_gather_matches_reference_cuda(fmt, model_dtype, kernel, data):
-    _check_case("cuda", **_draw_case(data, fmt, model_dtype), kernel=kernel)
+def test_gather_matches_reference_cuda(fmt, model_dtype, data):
+    _check_case("cuda", **_draw_case(data, fmt, model_dtype))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # NaN/inf lanes in numpy
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("fp8_dtype,fmt", [(torch.float8_e4m3fn, "fp8"),
                                            (torch.float8_e5m2, "fp8_e5m2")])
-def test_every_fp8_byte_decodes_exactly(fp8_dtype, fmt, kernel):
+def test_every_fp8_byte_decodes_exactly(fp8_dtype, fmt):
     """All 256 encodings (subnormals, max, NaN) against torch's fp8 decode."""
     cache = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 256)
     bt = torch.zeros(1, 1, dtype=torch.int32)
     cu = torch.tensor([0, 1], dtype=torch.int32)
     dst = torch.full((1, 256), -1.0)
-    tg.gather_triton(cache, dst, bt, cu, 1, fmt, torch.tensor([1.0]), kernel=kernel)
+    tg.gather_triton(cache, dst, bt, cu, 1, fmt, torch.tensor([1.0]))
     assert same_bits(dst[0], cache.reshape(256).view(fp8_dtype).float())
     # A cache typed as fp8 (not uint8) decodes the same, and gathers raw into fp8.
     dst.fill_(-1.0)
-    tg.gather_triton(cache.view(fp8_dtype), dst, bt, cu, 1, fmt, torch.tensor([1.0]), kernel=kernel)
+    tg.gather_triton(cache.view(fp8_dtype), dst, bt, cu, 1, fmt, torch.tensor([1.0]))
     assert same_bits(dst[0], cache.reshape(256).view(fp8_dtype).float())
     raw = torch.zeros(1, 256, dtype=fp8_dtype)
-    tg.gather_triton(cache.view(fp8_dtype), raw, bt, cu, 1, fmt, None, kernel=kernel)
+    tg.gather_triton(cache.view(fp8_dtype), raw, bt, cu, 1, fmt, None)
     assert torch.equal(raw.view(torch.uint8), cache[0])
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_ds_mla_k_pe_and_scales_exact(kernel):
+def test_ds_mla_k_pe_and_scales_exact():
     """bf16 dst: k_pe bit-exact, kv_c = fp8 value x power-of-two scale, exactly."""
     gen = torch.Generator().manual_seed(3)
     cache, ks = make_cache("fp8_ds_mla", 3, 16, 512, 64, gen=gen)
     bt = torch.tensor([[2, 0, 1]], dtype=torch.int32)
     cu = torch.tensor([0, 48], dtype=torch.int32)
     dst, _ = poisoned_dst(48, 576, torch.bfloat16)
-    tg.gather_triton(cache, dst, bt, cu, 1, "fp8_ds_mla", ks, kernel=kernel)
+    tg.gather_triton(cache, dst, bt, cu, 1, "fp8_ds_mla", ks)
     rows = cache[bt[0].long()].reshape(48, 656)
     kv_c, k_pe, _ = ref.decode_ds_mla_row(rows)
     assert same_bits(dst[:, 512:], k_pe)
@@ -147,8 +140,7 @@ def test_ds_mla_k_pe_and_scales_exact(kernel):
     assert same_bits(dst[:, :512], kv_c.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_out_of_range_rows_are_zero_and_no_op_cases(kernel):
+def test_out_of_range_rows_are_zero_and_no_op_cases():
     gen = torch.Generator().manual_seed(5)
     cache, ks = make_cache("fp8", 4, 16, 256, 64, gen=gen)
     bt = torch.tensor([[0, -1, 4], [2**31 - 1, 1, 3]], dtype=torch.int32)
@@ -157,29 +149,28 @@ def test_out_of_range_rows_are_zero_and_no_op_cases(kernel):
     cu = torch.tensor([0, 40, 44], dtype=torch.int32)
     starts = torch.tensor([10, 60], dtype=torch.int32)
     dst, _ = poisoned_dst(44, 320, torch.float32)
-    tg.gather_triton(cache, dst, bt, cu, 2, "fp8", ks, starts, kernel=kernel)
+    tg.gather_triton(cache, dst, bt, cu, 2, "fp8", ks, starts)
     want, _ = poisoned_dst(44, 320, torch.float32)
     ref.gather_ref(cache, want, bt, cu, 2, "fp8", ks, starts)
     assert same_bits(dst, want)
     assert (dst[6:] == 0).all() and (dst[:6] != 0).any()
 
     neg = torch.tensor([-5, 0], dtype=torch.int32)
-    tg.gather_triton(cache, dst, bt, cu, 2, "fp8", ks, neg, kernel=kernel)
+    tg.gather_triton(cache, dst, bt, cu, 2, "fp8", ks, neg)
     assert (dst[:5] == 0).all()
 
     # Zero tokens (and zero requests) write nothing.
     before = dst.clone()
-    tg.gather_triton(cache, dst, bt, torch.zeros(3, dtype=torch.int32), 2, "fp8", ks, kernel=kernel)
-    tg.gather_triton(cache, dst, bt, cu, 0, "fp8", ks, kernel=kernel)
+    tg.gather_triton(cache, dst, bt, torch.zeros(3, dtype=torch.int32), 2, "fp8", ks)
+    tg.gather_triton(cache, dst, bt, cu, 0, "fp8", ks)
     assert same_bits(dst, before)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_empty_table_width_gives_zero_rows(kernel):
+def test_empty_table_width_gives_zero_rows():
     cache, ks = make_cache("bfloat16", 2, 16, 256, 64)
     bt = torch.empty(1, 0, dtype=torch.int32)
     dst, _ = poisoned_dst(4, 320, torch.bfloat16)
-    tg.gather_triton(cache, dst, bt, torch.tensor([0, 4], dtype=torch.int32), 1, "bfloat16", ks, kernel=kernel)
+    tg.gather_triton(cache, dst, bt, torch.tensor([0, 4], dtype=torch.int32), 1, "bfloat16", ks)
     assert (dst == 0).all()
 
 
@@ -202,23 +193,20 @@ def test_not_supported_reasons(monkeypatch):
     with pytest.raises(ValueError, match="gather_triton"):
         tg.gather_triton(cache, torch.zeros(4, 576), torch.zeros(1, 1, dtype=torch.int32),
                          torch.tensor([0, 4], dtype=torch.int32), 1, "bfloat16", None)
-    assert any("kernel" in w for w in tg.triton_not_supported_reasons(
-        cache, torch.zeros(4, 576, dtype=torch.bfloat16), "bfloat16", kernel="tiled"))
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_cuda_graph_capture(kernel):
+def test_cuda_graph_capture():
     """No host sync: the gather is capturable and replays with new block tables."""
     cache, ks = make_cache("fp8_ds_mla", 8, 64, 512, 64, device="cuda")
     bt = torch.randperm(8, dtype=torch.int32, device="cuda").reshape(2, 4)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
     starts = torch.tensor([3, 17], dtype=torch.int32, device="cuda")
     dst = torch.empty(300, 576, dtype=torch.bfloat16, device="cuda")
-    tg.gather_triton(cache, dst, bt, cu, 2, "fp8_ds_mla", ks, starts, kernel=kernel)  # compile first
+    tg.gather_triton(cache, dst, bt, cu, 2, "fp8_ds_mla", ks, starts)  # compile first
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        tg.gather_triton(cache, dst, bt, cu, 2, "fp8_ds_mla", ks, starts, kernel=kernel)
+        tg.gather_triton(cache, dst, bt, cu, 2, "fp8_ds_mla", ks, starts)
     bt.copy_(bt.flip(1))
     dst.fill_(float("nan"))
     g.replay()
@@ -229,7 +217,7 @@ def test_cuda_graph_capture(kernel):
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla", "bfloat16"])
 def test_public_ops_through_the_triton_backend(fmt):
-    """The dispatcher's "triton" backend ("triton_paged") serves both public gathers (dequant and raw)."""
+    """The dispatcher's "triton_paged" backend serves both public gathers (dequant and raw)."""
     from mla_ext.cache import api
 
     rng = random.Random(9)
@@ -242,7 +230,7 @@ def test_public_ops_through_the_triton_backend(fmt):
         want, _ = poisoned_dst(83, width, dtype)
         got, _ = poisoned_dst(83, width, dtype)
         _run_ref(cache, want, bt, cu, 3, fmt, ks, starts)
-        with api.GATHER.force("triton"):
+        with api.GATHER.force("triton_paged"):
             if raw:
                 api.cp_gather_cache(cache, got, bt, cu, 3, starts)
             else:
@@ -250,9 +238,8 @@ def test_public_ops_through_the_triton_backend(fmt):
         _assert_matches(got, want, exact=False)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("offset", [0, 1, 2])
-def test_ds_mla_cache_at_any_byte_offset(offset, kernel):
+def test_ds_mla_cache_at_any_byte_offset(offset):
     """Rows at 4-byte multiples use the fp32/bf16 views; odd offsets the byte path. Same result."""
     cache, ks = make_cache("fp8_ds_mla", 4, 16, 512, 64, gen=torch.Generator().manual_seed(1))
     buf = torch.full((cache.numel() + offset,), 0x5A, dtype=torch.uint8)
@@ -264,54 +251,5 @@ def test_ds_mla_cache_at_any_byte_offset(offset, kernel):
     want, _ = poisoned_dst(61, 576, torch.float32)
     ref.gather_ref(cache, want, bt, cu, 1, "fp8_ds_mla", ks, starts)
     got, _ = poisoned_dst(61, 576, torch.float32)
-    tg.gather_triton(shifted, got, bt, cu, 1, "fp8_ds_mla", ks, starts, kernel=kernel)
+    tg.gather_triton(shifted, got, bt, cu, 1, "fp8_ds_mla", ks, starts)
     assert same_bits(got, want)
-
-
-_AOT_SCRIPT = r"""
-import inspect, re, sys
-import triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
-from mla_ext.cache import triton_gather as tg
-
-params = list(inspect.signature(tg._gather_kernel.fn).parameters)
-cases = [(0, "bf16", "bf16", False), (0, "u8", "u8", False), (1, "u8", "bf16", False),
-         (2, "u8", "fp16", False), (3, "u8", "bf16", True), (3, "u8", "fp32", False)]
-for cap, BR in ((86, 16), (90, 32), (90, 16)):  # both tile heights gather_triton uses
-    for mode, src, dst, aligned in cases:
-        sig = {p: "i32" for p in params}
-        sig.update(src_ptr="*" + src, src_f32_ptr="*fp32", src_bf16_ptr="*bf16", dst_ptr="*" + dst,
-                   bt_ptr="*i32", cu_ptr="*i32", starts_ptr="*i32", scale_ptr="*fp32")
-        # What a real launch specialises: unit column strides, 16-divisible sizes.
-        consts = dict(MODE=mode, HAS_STARTS=True, ALIGNED=aligned, BLOCK_R=BR,
-                      BLOCK_C=128 if src == "u8" else 64,
-                      s_col=1, d_col=1, bt_s1=1)
-        sig.update({k: "constexpr" for k in consts})
-        div16 = ["src_ptr", "src_f32_ptr", "src_bf16_ptr", "dst_ptr", "bt_ptr", "cu_ptr",
-                 "starts_ptr", "scale_ptr", "s_blk", "s_ent", "d_row", "n_cols"]
-        k = triton.compile(ASTSource(
-            fn=tg._gather_kernel, signature=sig,
-            constexprs={(params.index(n),): v for n, v in consts.items()},
-            attrs={(params.index(n),): [["tt.divisibility", 16]] for n in div16}),
-            target=GPUTarget("cuda", cap, 32))
-        ptx = k.asm["ptx"]
-        # The row payload moves in 16-byte vectors; byte-wise loads only on the unaligned path.
-        assert "ld.global.v4" in ptx and "st.global.v4" in ptx, (cap, mode)
-        if aligned or mode != 3:
-            assert not re.search(r"ld\.global(\.\w+)*\.(b8|u8)\b", ptx), (cap, mode)
-print("ok")
-"""
-
-
-def test_kernel_compiles_for_sm86_and_sm90_with_vector_loads():
-    """Ahead-of-time compile (no GPU needed) of every mode for both targets; checks the PTX."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

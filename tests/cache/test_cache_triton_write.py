@@ -139,5 +139,5 @@ def test_triton_kv_scale_equals_cpu(name, dtype, T):
 def test_triton_comes_after_cuda_and_cpu_in_the_stated_order():
     for disp in (api.WRITE, api.KV_SCALE):
         names = [b.name for b in disp.backends]
-        assert names.index("triton") > names.index("cuda_scalar")
+        assert names.index("triton") > names.index("cuda_vector")
         assert names.index("triton") > names.index("cpu")

@@ -327,7 +327,7 @@ def test_gathers_through_the_triton_backend():
         nws = ncu[:-1].clone()
         nv_want = _upconvert_want(nv, nbt, nws, int(ncu[-1]), None, "nvfp4_ds_mla")
         nv_got, _ = poisoned_dst(int(ncu[-1]), 576, BF16)
-    with cache_api.GATHER.force("triton"):
+    with cache_api.GATHER.force("triton_paged"):
         ops.gather_and_maybe_dequant_cache(cache, got, bt, cu, _token_to_seq(cu, 0), toks, "fp8", ks, starts)
         ops.cp_gather_cache(cache, raw, bt, cu, 4, starts)
         ops.cp_gather_and_upconvert_fp8_kv_cache(ds, ds_got, dbt, ws, 4, dstarts)

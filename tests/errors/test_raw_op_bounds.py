@@ -539,7 +539,7 @@ def _launch_cases():
         "attention": (triton_attention, "_attn_fwd_kernel",
                       lambda: triton_attention.varlen_attention_triton(
                           q, q, q, cu, cu, 4, 0.25, True, torch.empty_like(q), torch.empty(2, 4))),
-        "gather": (triton_gather, "_gather_kernel",
+        "gather": (triton_gather, "_gather_paged_kernel",
                    lambda: triton_gather.gather_triton(cache, torch.empty(6, 24), bt, gcu, 1, "fp8", k_scale)),
         "fp8_block": (triton_fp8_block, "_fp8_block_gemm_kernel",
                       lambda: triton_fp8_block.w8a8_block_fp8_matmul(

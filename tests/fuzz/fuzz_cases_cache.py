@@ -120,7 +120,7 @@ def gather_call(a: dict, via: str, *, raw: bool = False, validate: bool = False,
             return fn_op(*pos)
     elif via == "triton":
         def fn():
-            with api.GATHER.force("triton"):
+            with api.GATHER.force("triton_paged"):
                 return fn_api(*pos, **kw)
     else:
         def fn():

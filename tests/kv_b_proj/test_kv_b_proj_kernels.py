@@ -29,20 +29,18 @@ def test_fp8_block_ragged_k_and_n(m, n, k):
     assert torch.isfinite(y).all() and rel_fro(y, expect) < 5e-3
 
 
-@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("m,n,k", [(3, 33, 48), (65, 130, 272)])
-def test_w4a16_ragged_k_and_n(m, n, k, version):
+def test_w4a16_ragged_k_and_n(m, n, k):
     f = W.Nvfp4Weight.from_dense(_rand(n, k, scale=0.05), torch.float16)
     x = _rand(m, k + 8, seed=2).half()[:, :k]
     out = torch.full((m, n), float("nan"), dtype=torch.float16)
-    y = nvfp4_w4a16_matmul(x, f.weight, f.weight_scale, f.weight_scale_2, out=out, version=version)
+    y = nvfp4_w4a16_matmul(x, f.weight, f.weight_scale, f.weight_scale_2, out=out)
     expect = ref.linear_ref(x, f.dequantize_fp32())
     assert torch.isfinite(y).all() and rel_fro(y, expect) < 5e-3
 
 
-@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
-def test_w4a16_decodes_every_code_and_scale_exactly(version, dt):
+def test_w4a16_decodes_every_code_and_scale_exactly(dt):
     """x = I reads the decoded weight back: all 16 e2m1 codes (both nibbles) times
     every finite e4m3 scale byte (subnormals, 448 included) come out exact (the
     products have at most 5 significant bits, exact in bf16 and fp16)."""
@@ -54,7 +52,7 @@ def test_w4a16_decodes_every_code_and_scale_exactly(version, dt):
     scale = sbytes[:, None].repeat(1, k // 16).view(torch.float8_e4m3fn)
     scale = torch.roll(scale.view(torch.uint8), shifts=1, dims=1).view(torch.float8_e4m3fn)  # vary along K too
     g = torch.ones(1)
-    y = nvfp4_w4a16_matmul(torch.eye(k, dtype=dt), packed, scale, g, version=version)
+    y = nvfp4_w4a16_matmul(torch.eye(k, dtype=dt), packed, scale, g)
     want = ref.dequant_nvfp4(packed, scale, g)                   # [n, k] fp32
     assert torch.equal(y.float(), want.t()), (y.float() - want.t()).abs().max()
 
@@ -95,9 +93,6 @@ def test_kernel_argument_errors():
         nvfp4_w4a16_matmul(_rand(4, 32).bfloat16(), g.weight, g.weight_scale, g.weight_scale_2)
     with pytest.raises(ValueError, match="global_scale"):
         nvfp4_w4a16_matmul(_rand(4, 64).bfloat16(), g.weight, g.weight_scale, g.weight_scale_2.double())
-    for bad in (0, 3, True, "2"):
-        with pytest.raises(ValueError, match="version: expected 1 or 2"):
-            nvfp4_w4a16_matmul(_rand(4, 64).bfloat16(), g.weight, g.weight_scale, g.weight_scale_2, version=bad)
     with pytest.raises(ValueError, match="unit stride"):
         quant.per_token_group_quant_fp8(_rand(128, 4).bfloat16().t())
 
@@ -133,26 +128,21 @@ def test_cuda_triton_kernels_match_reference(m, dt):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("m", [1, 16, 17, 33, 64, 65, 300])  # every launch config of both kernels
+@pytest.mark.parametrize("m", [1, 16, 17, 33, 64, 65, 300])  # every launch config
 @pytest.mark.parametrize("n", [4099, 32768])  # 32- and 64-column tiles at M <= 16 on a 132-SM GPU
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
-def test_cuda_w4a16_versions_match_reference(version, m, n, dt):
+def test_cuda_w4a16_matches_reference(m, n, dt):
     k = 512
     f4 = W.Nvfp4Weight.from_dense(_rand(n, k, scale=0.05), dt).to("cuda")
     x = _rand(m, k + 64, seed=8).to(dt).cuda()[:, :k]
     out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
-    y = nvfp4_w4a16_matmul(x, f4.weight, f4.weight_scale, f4.weight_scale_2, out=out, version=version)
+    y = nvfp4_w4a16_matmul(x, f4.weight, f4.weight_scale, f4.weight_scale_2, out=out)
     expect = ref.linear_ref(x, f4.dequantize_fp32())
     assert torch.isfinite(y).all() and rel_fro(y, expect) < (1e-2 if dt == torch.bfloat16 else 5e-3)
-    if version == 2:
-        y1 = nvfp4_w4a16_matmul(x, f4.weight, f4.weight_scale, f4.weight_scale_2, version=1)
-        assert rel_fro(y, y1.float()) < 5e-3
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [1, 2])
-def test_cuda_w4a16_decodes_every_code_and_scale_exactly(version):
+def test_cuda_w4a16_decodes_every_code_and_scale_exactly():
     k = 256
     codes = torch.arange(16).repeat(k // 16)
     sbytes = torch.tensor([b for b in range(128) if b != 0x7F], dtype=torch.uint8)
@@ -161,7 +151,7 @@ def test_cuda_w4a16_decodes_every_code_and_scale_exactly(version):
     g = torch.ones(1)
     want = ref.dequant_nvfp4(packed, scale, g)
     y = nvfp4_w4a16_matmul(torch.eye(k, dtype=torch.bfloat16, device="cuda"), packed.cuda(), scale.cuda(),
-                           g.cuda(), version=version)
+                           g.cuda())
     assert torch.equal(y.float().cpu(), want.t())
 
 

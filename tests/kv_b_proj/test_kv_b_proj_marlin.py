@@ -396,7 +396,7 @@ def test_gemm_cpu_row_strided_activation(act, group_size):
 @pytest.mark.parametrize("group_size", [-1, 128])
 @pytest.mark.parametrize("split_k", [1, 2, 3, 5, 16])
 def test_gemm_cpu_split_k_slices_match_dense(act, group_size, split_k):
-    """The CPU reference reproduces the v2 kernel's split-K order (per-slice group
+    """The CPU reference reproduces the CUDA kernel's split-K order (per-slice group
     partials, slices added in order): any split is the same GEMM."""
     n, k, m = 200, 512, 9
     w, s, gen = _case(n, k, group_size, seed=split_k * 10 + group_size)
@@ -406,18 +406,15 @@ def test_gemm_cpu_split_k_slices_match_dense(act, group_size, split_k):
     out = marlin_fp8_gemm(a, p, out_dtype=torch.float32, split_k=split_k)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     one = marlin_fp8_gemm(a, p, out_dtype=torch.float32, split_k=1)
-    assert torch.equal(one, marlin_fp8_gemm(a, p, out_dtype=torch.float32, version=1))
+    assert torch.equal(one, marlin_fp8_gemm(a, p, out_dtype=torch.float32, split_k=0))  # 0: one slice on the CPU
 
 
 @pytest.mark.parametrize("kw, match, raw_match", [
-    (dict(version=3), r"version: expected 1 or 2", r"version: expected 1 or 2 \(the Marlin GEMM kernel\)"),
-    (dict(version=True), r"version: expected 1 or 2", None),
     (dict(split_k=-1), r"split_k: expected an int from 0", r"split_k: expected 0 \(automatic\) to 64"),
     (dict(split_k=65), r"split_k: expected an int from 0", r"split_k: expected 0 \(automatic\) to 64"),
     (dict(split_k=2.0), r"split_k: expected an int from 0", None),
-    (dict(version=1, split_k=2), r"split_k: version 1 has no split-K", r"split_k: version 1 has no split-K"),
 ])
-def test_gemm_version_and_split_k_are_checked(kw, match, raw_match):
+def test_gemm_split_k_is_checked(kw, match, raw_match):
     w, s = _small()
     p = marlin_fp8_repack(w, s, torch.bfloat16)
     a = torch.randn(4, 256).to(torch.bfloat16)
@@ -426,7 +423,7 @@ def test_gemm_version_and_split_k_are_checked(kw, match, raw_match):
     if raw_match is not None:  # the op checks them too
         with pytest.raises(ValueError, match=raw_match):
             _ext.ops().marlin_fp8_gemm(a, p.qweight, p.scales, p.N, p.K, p.group_size, p.act_dtype, None,
-                                       kw.get("version", 2), kw.get("split_k", 0))
+                                       kw.get("split_k", 0))
 
 
 def test_gemm_cpu_empty_m():
@@ -519,9 +516,9 @@ def test_fake_kernels_opcheck():
     a = torch.randn(9, 256, generator=gen).to(torch.bfloat16)
     ops = _ext.ops()
     torch.library.opcheck(ops.marlin_fp8_gemm, (a, p.qweight, p.scales, 200, 256, 128, torch.bfloat16, None))
-    for version, split_k in ((1, 0), (2, 3)):
+    for split_k in (0, 3):
         torch.library.opcheck(ops.marlin_fp8_gemm, (a, p.qweight, p.scales, 200, 256, 128, torch.bfloat16,
-                                                    torch.float32, version, split_k))
+                                                    torch.float32, split_k))
     torch.library.opcheck(ops.marlin_fp8_dequantize, (p.qweight, p.scales, 200, 256, 128, torch.bfloat16))
 
 
@@ -582,10 +579,10 @@ def test_cuda_gemm_graph_capturable():
 @pytest.mark.cuda
 @pytest.mark.parametrize("act", ACT)
 @pytest.mark.parametrize("k", [16, 48, 1024])
-@pytest.mark.parametrize("version, split_k", [(1, 0), (2, 0), (2, 2)])
-def test_cuda_gemm_short_and_long_k(act, k, version, split_k):
-    """K=16/48: v1's warps own no k-tile / v2's stage is half full, no split possible, and the
-    pipeline never fills; K=1024 wraps it often (v2 with 2 slices: 32 k-tiles each)."""
+@pytest.mark.parametrize("split_k", [0, 2])
+def test_cuda_gemm_short_and_long_k(act, k, split_k):
+    """K=16/48: the pipeline stage is half full, no split possible, and the pipeline
+    never fills; K=1024 wraps it often (with 2 slices: 32 k-tiles each)."""
     from mla_ext.kv_b_proj.marlin import plan_v2
 
     n, m = 136, 19
@@ -593,9 +590,8 @@ def test_cuda_gemm_short_and_long_k(act, k, version, split_k):
     p = marlin_fp8_repack(w.cuda(), s.cuda(), act)
     a = torch.randn(m, k, generator=gen).to(act)
     split = plan_v2(m, n, k, -1, torch.cuda.get_device_properties(0).multi_processor_count, split_k).split
-    want = marlin_fp8_gemm(a, marlin_fp8_repack(w, s, act), out_dtype=torch.float32,
-                           split_k=split if version == 2 else 0, version=version)
-    got = marlin_fp8_gemm(a.cuda(), p, out_dtype=torch.float32, version=version, split_k=split_k).cpu()
+    want = marlin_fp8_gemm(a, marlin_fp8_repack(w, s, act), out_dtype=torch.float32, split_k=split)
+    got = marlin_fp8_gemm(a.cuda(), p, out_dtype=torch.float32, split_k=split_k).cpu()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
@@ -701,12 +697,16 @@ def test_cuda_v2_gemm_matches_cpu_reference_with_the_same_split(act, group_size,
 @pytest.mark.parametrize("act", ACT)
 @pytest.mark.parametrize("group_size", [-1, 128])
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
-def test_cuda_v1_and_v2_agree(act, group_size, m):
+def test_cuda_gemm_matches_fp32_reference(act, group_size, m):
+    """At the production shape (N = 4096, K = 512): the kernel against the float32 GEMM on
+    the weight as packed (scales rounded to the activation dtype)."""
     n, k = 4096, 512
-    _, pg, _, a = _cpu_and_cuda(m, n, k, group_size, act, seed=7 + m)
-    v1 = marlin_fp8_gemm(a, pg, out_dtype=torch.float32, version=1)
-    v2 = marlin_fp8_gemm(a, pg, out_dtype=torch.float32, version=2)
-    torch.testing.assert_close(v2, v1, rtol=1e-4, atol=1e-4 * v1.abs().max().item())
+    w, s, gen = _case(n, k, group_size, seed=7 + m)
+    pg = marlin_fp8_repack(w.cuda(), s.cuda(), act, group_size)
+    a = torch.randn(m, k, generator=gen).to(act)
+    want = a.float() @ _ref_weight(w, s, group_size, act).t()
+    got = marlin_fp8_gemm(a.cuda(), pg, out_dtype=torch.float32).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
 @pytest.mark.cuda

@@ -2,15 +2,14 @@
 dispatched to (no GPU needed), with every launch config their wrappers use,
 within the target's shared memory:
 
-  * NVFP4 W4A16, both kernels (version 2 `_w4a16_kernel` and the first one,
-    `_w4a16_v1_kernel`), on sm_86 and sm_90 (it must run on sm_80+, so it may
-    not use Triton's fp8e4nv type, which sm_86 lacks: the e4m3 block scales are
-    decoded from raw bytes). Compiled as a launch with K = 512 and a
-    576-element row stride specialises them (16-divisible pointers and
-    strides); version 2 must then load the packed weight tile and the
-    activations through cp.async, 16 bytes at a time where the tile gives a
-    thread 16 bytes, and stay under 128 registers without spills (ptxas's
-    report; the registers of both versions are printed),
+  * NVFP4 W4A16 (`_w4a16_kernel`) on sm_86 and sm_90 (it must run on sm_80+,
+    so it may not use Triton's fp8e4nv type, which sm_86 lacks: the e4m3 block
+    scales are decoded from raw bytes). Compiled as a launch with K = 512 and a
+    576-element row stride specialises it (16-divisible pointers and strides);
+    it must then load the packed weight tile and the activations through
+    cp.async, 16 bytes at a time where the tile gives a thread 16 bytes, and
+    stay under 128 registers without spills (ptxas's report; the registers are
+    printed),
   * block-FP8 W8A8 and the 1x128 activation quantizer on sm_90 (native fp8;
     the dispatcher never sends them to sm_86).
 
@@ -65,23 +64,17 @@ w4_sig = dict(a_ptr="*bf16", b_ptr="*u8", s_ptr="*u8", g_ptr="*fp32", c_ptr="*bf
 w4_div = ["a_ptr", "b_ptr", "s_ptr", "c_ptr", "K", "stride_am", "stride_bn", "stride_sn", "stride_cm"]
 for cc in (86, 90):
     for m, n in ((1, 4096), (1, 32768), (16, 4096), (32, 4096), (64, 4096), (4096, 4096)):
-        for version in (1, 2):
-            if version == 2:
-                cfg = dict(w4._config(m, n, 132), EVEN_K=True)
-                k = build(w4._w4a16_kernel, w4_sig, cfg, cc, w4_div)
-            else:
-                cfg = w4._config_v1(m)
-                k = build(w4._w4a16_v1_kernel, w4_sig, cfg, cc, w4_div)
-            ptx = k.asm["ptx"]
-            assert "e4m3" not in ptx, "fp8 conversion instructions in the sm_80+ W4A16 kernel"
-            regs, spill = ptxas_usage(ptx, cc)
-            print(f"w4a16 v{version} sm_{cc} M={m} N={n} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
-                  f"warps {cfg['num_warps']}: {regs} registers, {spill} B spilled")
-            if version == 2:
-                assert regs < 128 and spill == 0, (cc, m, n, regs, spill)
-                assert "cp.async" in ptx, "the W4A16 tiles are not loaded through cp.async"
-                if cfg["BLOCK_N"] * cfg["BLOCK_K"] // 2 >= 16 * 32 * cfg["num_warps"]:
-                    assert re.search(r"cp\.async\.\w+\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)
+        cfg = dict(w4._config(m, n, 132), EVEN_K=True)
+        k = build(w4._w4a16_kernel, w4_sig, cfg, cc, w4_div)
+        ptx = k.asm["ptx"]
+        assert "e4m3" not in ptx, "fp8 conversion instructions in the sm_80+ W4A16 kernel"
+        regs, spill = ptxas_usage(ptx, cc)
+        print(f"w4a16 sm_{cc} M={m} N={n} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
+              f"warps {cfg['num_warps']}: {regs} registers, {spill} B spilled")
+        assert regs < 128 and spill == 0, (cc, m, n, regs, spill)
+        assert "cp.async" in ptx, "the W4A16 tiles are not loaded through cp.async"
+        if cfg["BLOCK_N"] * cfg["BLOCK_K"] // 2 >= 16 * 32 * cfg["num_warps"]:
+            assert re.search(r"cp\.async\.\w+\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)
 
 fb_sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr="*bf16",
               M=i32, N=i32, K=i32, stride_am=i32, stride_asm=i32, stride_bn=i32, stride_bsn=i32,

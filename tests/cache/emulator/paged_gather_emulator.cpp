@@ -1,7 +1,8 @@
 // Host emulator of the vectorised CUDA cache kernels, for tests on machines
-// without a GPU (tests/test_cache_paged_gather.py builds it with g++ into a
-// small shared library and calls it through ctypes; it is not part of the
-// extension: setup.py and CMake only take *_cpu.cpp and *.cu files).
+// without a GPU (tests/cache/test_cache_paged_gather.py builds it with g++,
+// -I csrc, into a small shared library under pytest's tmp dir and calls it
+// through ctypes). It lives under tests/, outside the product tree, and is
+// never part of the extension (setup.py and CMake compile csrc/ only).
 //
 // It runs exactly the code the kernels run (csrc/cache/paged_gather.h,
 // csrc/cache/write_lanes.h, csrc/cache/vec.h) with each CUDA thread executed
@@ -56,7 +57,7 @@ void copy_name(const char* s, char* out, int cap) {
 
 extern "C" {
 
-// Emulates gather_cuda_paged (one launch). `rounds` as MLA_EXT_PAGED_GATHER_ROUNDS
+// Emulates gather_cuda (one launch). `rounds` as MLA_EXT_PAGED_GATHER_ROUNDS
 // (0: the default). Writes the chosen decoder's name to `op_name` and the
 // window height to *rows_per_cta. Returns 0.
 int mla_emulate_paged_gather(const uint8_t* cache, int64_t block_stride, int64_t entry_stride, int32_t num_blocks,
@@ -114,7 +115,7 @@ int mla_emulate_paged_gather(const uint8_t* cache, int64_t block_stride, int64_t
 
 extern "C" {
 
-// Emulates write_vec_kernel (concat_and_cache_mla, WriteKernel::kVector). Returns 0.
+// Emulates write_vec_kernel (concat_and_cache_mla). Returns 0.
 int mla_emulate_write(const uint8_t* kv_c, int64_t kv_c_row_stride, const uint8_t* k_pe, int64_t k_pe_row_stride,
                       int32_t in_type, int32_t num_tokens, int64_t L, int64_t R, uint8_t* cache,
                       int64_t block_stride, int64_t entry_stride, int32_t num_blocks, int32_t block_size,
@@ -165,7 +166,7 @@ int mla_emulate_write(const uint8_t* kv_c, int64_t kv_c_row_stride, const uint8_
   return 0;
 }
 
-// Emulates compute_kv_scale with WriteKernel::kVector (amax_rows_kernel, then
+// Emulates compute_kv_scale (amax_rows_kernel, then
 // finalize_scale_kernel); returns the scale.
 float mla_emulate_kv_scale(const uint8_t* kv_c, int64_t kv_c_row_stride, const uint8_t* k_pe, int64_t k_pe_row_stride,
                            int32_t in_type, int32_t num_tokens, int64_t L, int64_t R, float fp8_max) {
