@@ -51,7 +51,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 from bench_common import RowLog, finish  # noqa: E402
-from bench_gather import Timer  # noqa: E402
+from bench_cache import Timer  # noqa: E402
 
 from mla_ext import dispatch as D  # noqa: E402
 from mla_ext.attention import triton_latent as TL  # noqa: E402

@@ -9,7 +9,7 @@ kv_b_proj (Marlin FP8 on GPUs below sm_89). Three numbers per case:
 
   mla_ext         `MLAPrefill.forward`, end to end (the steps from its StepClock)
   torch composed  what a user writes in plain torch with the same chunk plan:
-                  index_select of the pages + dequant (bench_gather.torch_baseline),
+                  index_select of the pages + dequant (bench_cache.torch_baseline),
                   F.linear with the once-dequantized bf16 weight, a manual softmax
                   with LSE per request and chunk (SDPA returns no LSE), the LSE
                   merge in torch
@@ -45,7 +45,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 from bench_common import RowLog, finish  # noqa: E402
-from bench_gather import Timer, torch_baseline as torch_gather  # noqa: E402
+from bench_cache import Timer, torch_baseline as torch_gather  # noqa: E402
 
 from mla_ext.kv_b_proj import weights as W  # noqa: E402
 from mla_ext.config.models import get_model_config, MLAModelConfig  # noqa: E402
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, nargs="+", help="context tokens (overrides the default list)")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens (default 2048 GPU, 128 CPU)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="CPU threads (default 1, as bench_gather: on a shared machine a descheduled "
+                    help="CPU threads (default 1, as bench_cache: on a shared machine a descheduled "
                          "worker thread stalls every parallel op)")
     args = ap.parse_args(argv)
 

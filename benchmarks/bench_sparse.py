@@ -35,7 +35,7 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 from bench_absorbed import device_name, kv_b_proj, model_config  # noqa: E402
 from bench_common import RowLog, finish  # noqa: E402
-from bench_gather import Timer  # noqa: E402
+from bench_cache import Timer  # noqa: E402
 
 from mla_ext.cache import api as cache_api  # noqa: E402
 from mla_ext.config.policy import CacheConfig  # noqa: E402

@@ -35,7 +35,7 @@
 #               space, fp8_ds_mla, T x C sweep: the measured crossover beside the cost model's,
 #               in its log tail; CSV, report and the measured rates in the tarball only,
 #               bench/dispatch_table_<device>.json gets a context_attention section)
-#   bench_gather (10 repetitions), bench_attention
+#   bench_cache (10 repetitions), bench_attention
 #   bench_sparse (--quick: DSA sparse prefill vs dense at 32K and 128K context, fp8_ds_mla
 #               + fp8 index cache, bytes/FLOPs vs the roofline; CSV in the tarball only)
 # Without a GPU (no nvidia-smi, or it lists none) it runs the CPU-side steps (build,
@@ -89,7 +89,7 @@ PUBLISH=(
   "bench_kv_b_proj|bench/kv_b_proj_crossovers_*.txt|kv_b_proj_crossovers.txt"
   "bench_kv_b_proj|bench/kv_b_proj_*.csv|kv_b_proj.csv"
   "bench_prefill|bench/prefill_*.csv|prefill.csv"
-  "bench_gather|bench/gather_*.csv|gather.csv"
+  "bench_cache|bench/gather_*.csv|gather.csv"
   "bench_attention|bench/bench_attention_*.csv|attention.csv"
 )
 TARBALL=gpu_check.tar.gz
@@ -467,7 +467,7 @@ if [ "$mode" = gpu ]; then
   step bench_kv_b_proj bench_kv_b_proj $CAP_KVB 20 "$py" benchmarks/bench_kv_b_proj.py --sweep --out "${work:-W}/bench"
   step bench_prefill bench_prefill $CAP_PREFILL 20 "$py" benchmarks/bench_prefill.py --quick --out "${work:-W}/bench"
   step bench_absorbed bench_absorbed $CAP_ABSORBED 15 "$py" benchmarks/bench_absorbed.py --quick --out "${work:-W}/bench"
-  step bench_gather bench_gather $CAP_GATHER 12 "$py" benchmarks/bench_gather.py --reps 10 --out "${work:-W}/bench"
+  step bench_cache bench_cache $CAP_GATHER 12 "$py" benchmarks/bench_cache.py --reps 10 --out "${work:-W}/bench"
   step bench_attention bench_attention $CAP_ATTENTION 12 "$py" benchmarks/bench_attention.py --out "${work:-W}/bench"
   step bench_sparse bench_sparse $CAP_SPARSE 10 "$py" benchmarks/bench_sparse.py --quick --out "${work:-W}/bench"
 else
@@ -478,7 +478,7 @@ else
   step bench_kv_b_proj bench_kv_b_proj $CAP_KVB 20 "$py" benchmarks/bench_kv_b_proj.py --sweep --out "${work:-W}/bench"
   step bench_prefill bench_prefill $CAP_PREFILL 20 "$py" benchmarks/bench_prefill.py --quick --out "${work:-W}/bench"
   step bench_absorbed bench_absorbed $CAP_ABSORBED 15 "$py" benchmarks/bench_absorbed.py --quick --out "${work:-W}/bench"
-  step bench_gather bench_gather $CAP_GATHER 12 "$py" benchmarks/bench_gather.py --quick --out "${work:-W}/bench"
+  step bench_cache bench_cache $CAP_GATHER 12 "$py" benchmarks/bench_cache.py --quick --out "${work:-W}/bench"
   step bench_attention bench_attention $CAP_ATTENTION 12 "$py" benchmarks/bench_attention.py --quick --out "${work:-W}/bench"
   step bench_sparse bench_sparse $CAP_SPARSE 10 "$py" benchmarks/bench_sparse.py --quick --out "${work:-W}/bench"
 fi

@@ -106,7 +106,7 @@ def test_plan_runs_every_step_and_publishes_the_results(mode):
         assert memcheck == ["memcheck.test_cache_ops", "memcheck.test_cache_fp8", "memcheck.test_attention_merge",
                             "memcheck.test_kv_b_proj_marlin"]
         want += cuda + memcheck + ["racecheck"]
-    want += ["demo", "bench_kv_b_proj", "bench_prefill", "bench_absorbed", "bench_gather", "bench_attention",
+    want += ["demo", "bench_kv_b_proj", "bench_prefill", "bench_absorbed", "bench_cache", "bench_attention",
              "bench_sparse"]
     assert steps == want
     final = [ln for ln in lines if "out_after" in ln][-1]["files"].split(",")

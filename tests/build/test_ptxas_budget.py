@@ -335,30 +335,10 @@ for cc in (86, 90):
     for m, n, sms in ((1, 4096, 132), (1, 32768, 132), (32, 4096, 132), (64, 4096, 132), (4096, 4096, 132)):
         cfg, opts = split(dict(w4._config(m, n, sms), EVEN_K=True))  # K = 512
         build(w4._w4a16_kernel, w4_sig, cfg, cc, opts, w4_div)
-    for m in (1, 64, 4096):
-        cfg, opts = split(w4._config_v1(m))
-        build(w4._w4a16_v1_kernel, w4_sig, cfg, cc, opts, w4_div)
 
 q_sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", M=i32, K=i32, Mq=i32, Kq=i32, stride_xm=i32,
              stride_qm=i32, stride_sm=i32, stride_sg=i32, eps="fp32")
 build(quant._quant_kernel, q_sig, dict(GROUP=quant.GROUP, BLOCK_M=16, FP8_OUT=True), 90)
-
-import inspect
-from mla_ext.cache import triton_gather as tg
-params = list(inspect.signature(tg._gather_kernel.fn).parameters)
-for cc, br in ((86, 16), (90, 32)):
-    for mode, src, dst, aligned in ((0, "bf16", "bf16", False), (1, "u8", "bf16", False), (3, "u8", "bf16", True)):
-        sig = {p: "i32" for p in params}
-        sig.update(src_ptr="*" + src, src_f32_ptr="*fp32", src_bf16_ptr="*bf16", dst_ptr="*" + dst,
-                   bt_ptr="*i32", cu_ptr="*i32", starts_ptr="*i32", scale_ptr="*fp32")
-        consts = dict(MODE=mode, HAS_STARTS=True, ALIGNED=aligned, BLOCK_R=br, BLOCK_C=128 if src == "u8" else 64,
-                      s_col=1, d_col=1, bt_s1=1)
-        for k_ in consts:
-            sig.pop(k_)
-        sig = {p: sig[p] for p in params if p in sig}
-        build(tg._gather_kernel, sig, consts, cc, div16=[n for n in ("src_ptr", "src_f32_ptr", "src_bf16_ptr",
-              "dst_ptr", "bt_ptr", "cu_ptr", "starts_ptr", "scale_ptr", "s_blk", "s_ent", "d_row", "n_cols")
-              if n in sig])
 
 # Every other kernel, in every config its wrapper picks on sm_86 / sm_90 (attention in
 # bf16 and fp32, causal or not, 192/128- and 256/256-wide heads; the paged gather, merge,
@@ -369,7 +349,7 @@ sys.path.insert(0, "tests/build")  # the probe (cwd: the repository root)
 import triton_specialization_probe as probe
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
-COVERED = {"_w4a16_kernel", "_w4a16_v1_kernel", "_group_quant_kernel", "_gather_kernel"}
+COVERED = {"_w4a16_kernel", "_group_quant_kernel"}
 FP8_ONLY = {"_fp8_block_gemm_kernel"}  # dispatched to sm_89+ only (Triton has no fp8 type on sm_86)
 for cc in (86, 90):
     target = GPUTarget("cuda", cc, 32)

@@ -1,6 +1,6 @@
-"""benchmarks/bench_gather.py runs end to end on the CPU (tiny sizes), checks every
+"""benchmarks/bench_cache.py runs end to end on the CPU (tiny sizes), checks every
 backend against the torch baseline and writes its CSV and PNG, keeping a failing or
-wrong backend as a row; real numbers come from `benchmarks/bench_gather.py` itself
+wrong backend as a row; real numbers come from `benchmarks/bench_cache.py` itself
 (CPU) or a GPU run."""
 import csv
 import importlib.util
@@ -17,13 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def bench():
     spec = importlib.util.spec_from_file_location(
-        "bench_gather", os.path.join(ROOT, "benchmarks", "bench_gather.py"))
+        "bench_cache", os.path.join(ROOT, "benchmarks", "bench_cache.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_bench_gather_cpu_smoke(bench, tmp_path, capsys):
+def test_bench_cache_cpu_smoke(bench, tmp_path, capsys):
     threads = torch.get_num_threads()
     rc = bench.main(["--quick", "--tokens", "200", "--formats", "fp8", "fp8_ds_mla", "--out", str(tmp_path)])
     assert rc == 0

@@ -1,6 +1,6 @@
 """Benchmark of the context gather (gather_and_maybe_dequant_cache), SPEC §6.
 
-  .venv/bin/python benchmarks/bench_gather.py [--quick] [--out DIR] [--tokens N ...]
+  .venv/bin/python benchmarks/bench_cache.py [--quick] [--out DIR] [--tokens N ...]
 
 The gather is memory-bound, so it is reported as achieved bandwidth against a
 roofline measured in the same run (gpt-fast / Triton-tutorial style):
