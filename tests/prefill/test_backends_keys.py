@@ -2,7 +2,6 @@
 each is resolved once per batch and gives bitwise the per-call dispatch answer; layers that differ
 in any fact their choices depend on never share a record; forcing any of the layer's dispatchers
 makes a new record (never a stale choice)."""
-import collections
 import math
 
 import pytest
@@ -10,7 +9,6 @@ import torch
 
 from mla_ext.config.models import MLAModelConfig
 from mla_ext.config.policy import CacheConfig
-from mla_ext.dispatch import Dispatcher
 from mla_ext.kv_b_proj import weights as W
 from mla_ext.prefill import backends as planned
 from mla_ext.prefill.layer import MLAPrefill
@@ -41,19 +39,6 @@ def _layer(index: int, fmt: str = "fp8", weight: str = "dense", mode: str = "up_
            skip=()) -> MLAPrefill:
     return MLAPrefill(MODEL, CacheConfig(fmt, tuple(skip), BLOCK), _weight(weight, 20 + index), layer=index,
                       workspace_rows_override=rows, context_attention=mode)
-
-
-@pytest.fixture
-def resolutions(monkeypatch):
-    count: collections.Counter = collections.Counter()
-    real = Dispatcher.decide
-
-    def decide(self, inputs):
-        count[self.op] += 1
-        return real(self, inputs)
-
-    monkeypatch.setattr(Dispatcher, "decide", decide)
-    return count
 
 
 def _inputs(layers, seed=4):

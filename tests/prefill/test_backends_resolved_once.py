@@ -2,7 +2,6 @@
 batch runs every call site's dispatcher once, later layers with the same spec and later calls of
 the batch run none, the outputs are bitwise those of the per-call dispatch path, and a forced
 backend (Dispatcher.force, MLA_EXT_FORCE_<OP>) still wins."""
-import collections
 import math
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 from mla_ext.attention.api import MERGE
 from mla_ext.config.models import MLAModelConfig
 from mla_ext.config.policy import CacheConfig
-from mla_ext.dispatch import Dispatcher
 from mla_ext.kv_b_proj.weights import DenseWeight
 from mla_ext.prefill import backends as planned
 from mla_ext.prefill.layer import MLAPrefill
@@ -26,20 +24,6 @@ def _layer(index: int, context_attention: str, seed: int) -> MLAPrefill:
                     generator=torch.Generator().manual_seed(seed)) / math.sqrt(MODEL.L)
     return MLAPrefill(MODEL, CacheConfig("fp8", (), 16), DenseWeight(w.to(torch.bfloat16)), layer=index,
                       workspace_rows_override=32, context_attention=context_attention)
-
-
-@pytest.fixture
-def resolutions(monkeypatch):
-    """Counts Dispatcher.decide calls (every choice goes through it) per op."""
-    count: collections.Counter = collections.Counter()
-    real = Dispatcher.decide
-
-    def decide(self, inputs):
-        count[self.op] += 1
-        return real(self, inputs)
-
-    monkeypatch.setattr(Dispatcher, "decide", decide)
-    return count
 
 
 def _setup(context_attention: str):
