@@ -70,11 +70,6 @@ def _triton_reasons(tensors: list[torch.Tensor]) -> list[str]:
     return why
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 # Scalars are checked, not coerced: int(4.7), bool("no") or float("0.1") would
 # turn a caller's mistake into a silently different computation.
 def _count(value, name: str) -> int:
@@ -84,19 +79,22 @@ def _count(value, name: str) -> int:
         n = operator.index(value)  # ints and numpy integers, not floats
     except TypeError:
         raise ValueError(f"{name}: expected an int >= 0, got {value!r}") from None
-    _check(n >= 0, f"{name}: expected an int >= 0, got {n}")
+    if not (n >= 0):
+        raise ValueError(f"{name}: expected an int >= 0, got {n}")
     return n
 
 
 def _flag(value, name: str) -> bool:
-    _check(isinstance(value, bool), f"{name}: expected a bool, got {value!r}")
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
     return value
 
 
 def _scale(value) -> float:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     ok = ok and math.isfinite(value) and value > 0
-    _check(ok, f"softmax_scale: expected a finite positive number, got {value!r}")
+    if not ok:
+        raise ValueError(f"softmax_scale: expected a finite positive number, got {value!r}")
     return float(value)
 
 
@@ -215,31 +213,39 @@ ATTENTION = Dispatcher(
 def _validate_attention(x: AttentionInputs) -> None:
     q, k, v = x.q, x.k, x.v
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(isinstance(t, torch.Tensor) and t.dim() == 3,
-               f"{name}: expected a 3-D tensor [tokens, heads, head_dim]")
-        _check(t.dtype in O_DTYPES, f"{name}: expected dtype bfloat16, float16 or float32, got {t.dtype}")
-        _check(t.dtype == q.dtype, f"{name}: expected dtype {q.dtype} (as q), got {t.dtype}")
-        _check(t.device == q.device, f"{name}: expected device {q.device} (as q), got {t.device}")
-        _check(t.shape[-1] <= 1 or t.stride(-1) == 1,
-               f"{name}: the head dim must be contiguous (stride 1), got stride {t.stride(-1)}")
-    _check(k.shape[1] == q.shape[1] and v.shape[1] == q.shape[1],
-           f"k, v: expected {q.shape[1]} heads (as q), got {k.shape[1]} and {v.shape[1]}")
+        if not (isinstance(t, torch.Tensor) and t.dim() == 3):
+            raise ValueError(f"{name}: expected a 3-D tensor [tokens, heads, head_dim]")
+        if t.dtype not in O_DTYPES:
+            raise ValueError(f"{name}: expected dtype bfloat16, float16 or float32, got {t.dtype}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (as q), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
+        if not (t.shape[-1] <= 1 or t.stride(-1) == 1):
+            raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got stride {t.stride(-1)}")
+    if not (k.shape[1] == q.shape[1] and v.shape[1] == q.shape[1]):
+        raise ValueError(f"k, v: expected {q.shape[1]} heads (as q), got {k.shape[1]} and {v.shape[1]}")
     if x.k_rope is None:
-        _check(k.shape[2] == q.shape[2], f"k: expected head dim {q.shape[2]} (as q), got {k.shape[2]}")
+        if k.shape[2] != q.shape[2]:
+            raise ValueError(f"k: expected head dim {q.shape[2]} (as q), got {k.shape[2]}")
     else:
         r = x.k_rope
-        _check(k.shape[2] + r.shape[2] == q.shape[2],
-               f"k, k_rope: expected head dims summing to {q.shape[2]} (q's), got "
+        if k.shape[2] + r.shape[2] != q.shape[2]:
+            raise ValueError(f"k, k_rope: expected head dims summing to {q.shape[2]} (q's), got "
                f"{k.shape[2]} + {r.shape[2]}")
-    _check(v.shape[0] == k.shape[0], f"v: expected {k.shape[0]} tokens (as k), got {v.shape[0]}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v: expected {k.shape[0]} tokens (as k), got {v.shape[0]}")
     for name, cu in (("cu_seqlens_q", x.cu_seqlens_q), ("cu_seqlens_k", x.cu_seqlens_k)):
-        _check(isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 1,
-               f"{name}: expected a 1-D int32 tensor [batch + 1]")
-        _check(cu.dtype == torch.int32, f"{name}: expected dtype int32, got {cu.dtype}")
-        _check(cu.device == q.device, f"{name}: expected device {q.device} (as q), got {cu.device}")
-        _check(cu.is_contiguous(), f"{name}: expected a contiguous tensor")
-    _check(x.cu_seqlens_q.numel() == x.cu_seqlens_k.numel(),
-           f"cu_seqlens_k: expected {x.cu_seqlens_q.numel()} entries (as cu_seqlens_q), "
+        if not (isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 1):
+            raise ValueError(f"{name}: expected a 1-D int32 tensor [batch + 1]")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name}: expected dtype int32, got {cu.dtype}")
+        if cu.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (as q), got {cu.device}")
+        if not cu.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor")
+    if x.cu_seqlens_q.numel() != x.cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_k: expected {x.cu_seqlens_q.numel()} entries (as cu_seqlens_q), "
            f"got {x.cu_seqlens_k.numel()}")
     if q.device.type == "cpu":
         # Checked mode: on the CPU the offsets are host data, so out-of-range
@@ -250,17 +256,18 @@ def _validate_attention(x: AttentionInputs) -> None:
             ("cu_seqlens_k", x.cu_seqlens_k, k.shape[0], x.max_seqlen_k),
         ):
             lens = cu[1:] - cu[:-1]
-            _check(int(cu[0]) >= 0 and bool((lens >= 0).all()),
-                   f"{name}: expected non-decreasing offsets starting at >= 0")
-            _check(int(cu[-1]) <= rows, f"{name}: last offset {int(cu[-1])} exceeds the {rows} rows")
-            _check(lens.numel() == 0 or int(lens.max()) <= mx,
-                   f"max_seqlen for {name}: expected >= the longest request "
+            if not (int(cu[0]) >= 0 and bool((lens >= 0).all())):
+                raise ValueError(f"{name}: expected non-decreasing offsets starting at >= 0")
+            if not (int(cu[-1]) <= rows):
+                raise ValueError(f"{name}: last offset {int(cu[-1])} exceeds the {rows} rows")
+            if not (lens.numel() == 0 or int(lens.max()) <= mx):
+                raise ValueError(f"max_seqlen for {name}: expected >= the longest request "
                    f"({int(lens.max()) if lens.numel() else 0}), got {mx}")
 
 
 def _scratch(value) -> AttentionScratch | None:
-    _check(value is None or isinstance(value, AttentionScratch),
-           f"scratch: expected an mla_ext.attention.scratch.AttentionScratch or None, got {type(value).__name__}")
+    if not (value is None or isinstance(value, AttentionScratch)):
+        raise ValueError(f"scratch: expected an mla_ext.attention.scratch.AttentionScratch or None, got {type(value).__name__}")
     return value
 
 
@@ -268,19 +275,23 @@ def _rope_view(k_rope, q, k) -> torch.Tensor | None:
     """k_rope checked and viewed as [Tk, N, R] (head stride 0 when shared)."""
     if k_rope is None:
         return None
-    _check(isinstance(k_rope, torch.Tensor) and k_rope.dim() in (2, 3),
-           "k_rope: expected a tensor [Tk, R] or [Tk, 1 or num_heads, R], got "
+    if not (isinstance(k_rope, torch.Tensor) and k_rope.dim() in (2, 3)):
+        raise ValueError("k_rope: expected a tensor [Tk, R] or [Tk, 1 or num_heads, R], got "
            + (f"{k_rope.dim()}-D" if isinstance(k_rope, torch.Tensor) else type(k_rope).__name__))
     if not (isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(k, torch.Tensor) and k.dim() == 3):
         return k_rope  # q / k themselves are rejected by _validate_attention
-    _check(k_rope.dtype == q.dtype, f"k_rope: expected dtype {q.dtype} (as q), got {k_rope.dtype}")
-    _check(k_rope.device == q.device, f"k_rope: expected device {q.device} (as q), got {k_rope.device}")
-    _check(k_rope.shape[0] == k.shape[0], f"k_rope: expected {k.shape[0]} tokens (as k), got {k_rope.shape[0]}")
+    if k_rope.dtype != q.dtype:
+        raise ValueError(f"k_rope: expected dtype {q.dtype} (as q), got {k_rope.dtype}")
+    if k_rope.device != q.device:
+        raise ValueError(f"k_rope: expected device {q.device} (as q), got {k_rope.device}")
+    if k_rope.shape[0] != k.shape[0]:
+        raise ValueError(f"k_rope: expected {k.shape[0]} tokens (as k), got {k_rope.shape[0]}")
     n = q.shape[1]
     r = k_rope.unsqueeze(1) if k_rope.dim() == 2 else k_rope
-    _check(r.shape[1] in (1, n), f"k_rope: expected 1 or {n} heads (as q), got {r.shape[1]}")
-    _check(r.shape[-1] <= 1 or r.stride(-1) == 1,
-           f"k_rope: the head dim must be contiguous (stride 1), got stride {r.stride(-1)}")
+    if r.shape[1] not in (1, n):
+        raise ValueError(f"k_rope: expected 1 or {n} heads (as q), got {r.shape[1]}")
+    if not (r.shape[-1] <= 1 or r.stride(-1) == 1):
+        raise ValueError(f"k_rope: the head dim must be contiguous (stride 1), got stride {r.stride(-1)}")
     return r.expand(r.shape[0], n, r.shape[2])
 
 
@@ -405,24 +416,30 @@ MERGE = Dispatcher(
 
 
 def _validate_merge(x: MergeInputs) -> None:
-    _check(isinstance(x.o1, torch.Tensor) and x.o1.dim() == 3, "prefix_output (o1): expected [T, N, D]")
+    if not (isinstance(x.o1, torch.Tensor) and x.o1.dim() == 3):
+        raise ValueError("prefix_output (o1): expected [T, N, D]")
     t, n, d = x.o1.shape
     for name, o in (("o1", x.o1), ("o2", x.o2), ("out", x.out)):
-        _check(isinstance(o, torch.Tensor) and tuple(o.shape) == (t, n, d),
-               f"{name}: expected shape [{t}, {n}, {d}] (as o1), got "
+        if not (isinstance(o, torch.Tensor) and tuple(o.shape) == (t, n, d)):
+            raise ValueError(f"{name}: expected shape [{t}, {n}, {d}] (as o1), got "
                f"{tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__}")
-        _check(o.dtype in O_DTYPES, f"{name}: expected dtype bfloat16, float16 or float32, got {o.dtype}")
-        _check(o.dtype == x.o1.dtype, f"{name}: expected dtype {x.o1.dtype} (as o1), got {o.dtype}")
-        _check(o.device == x.o1.device, f"{name}: expected device {x.o1.device} (as o1), got {o.device}")
-        _check(d <= 1 or o.stride(2) == 1,
-               f"{name}: the head dim must be contiguous (stride 1), got stride {o.stride(2)}")
+        if o.dtype not in O_DTYPES:
+            raise ValueError(f"{name}: expected dtype bfloat16, float16 or float32, got {o.dtype}")
+        if o.dtype != x.o1.dtype:
+            raise ValueError(f"{name}: expected dtype {x.o1.dtype} (as o1), got {o.dtype}")
+        if o.device != x.o1.device:
+            raise ValueError(f"{name}: expected device {x.o1.device} (as o1), got {o.device}")
+        if not (d <= 1 or o.stride(2) == 1):
+            raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got stride {o.stride(2)}")
     lses = [("lse1", x.lse1), ("lse2", x.lse2)] + ([("out_lse", x.out_lse)] if x.out_lse is not None else [])
     for name, lse in lses:
-        _check(isinstance(lse, torch.Tensor) and tuple(lse.shape) == (n, t),
-               f"{name}: expected shape [{n}, {t}] ([num_heads, num_tokens]), got "
+        if not (isinstance(lse, torch.Tensor) and tuple(lse.shape) == (n, t)):
+            raise ValueError(f"{name}: expected shape [{n}, {t}] ([num_heads, num_tokens]), got "
                f"{tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}")
-        _check(lse.dtype == torch.float32, f"{name}: expected dtype float32, got {lse.dtype}")
-        _check(lse.device == x.o1.device, f"{name}: expected device {x.o1.device} (as o1), got {lse.device}")
+        if lse.dtype != torch.float32:
+            raise ValueError(f"{name}: expected dtype float32, got {lse.dtype}")
+        if lse.device != x.o1.device:
+            raise ValueError(f"{name}: expected device {x.o1.device} (as o1), got {lse.device}")
     # Outputs may be exactly an input of their kind (an in-place merge: every
     # backend reads a row before writing it), never a shifted or partial view
     # of any input (out=buf[1:6] over o1=buf[:5] read rows already merged),

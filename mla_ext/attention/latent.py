@@ -53,11 +53,6 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SCORE_BYTES = 256 << 20
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 # -- absorb / un-absorb ------------------------------------------------------------
 
 def absorbed_weights(kv_b_proj, num_heads: int, P: int, V: int, dtype: torch.dtype,
@@ -65,8 +60,8 @@ def absorbed_weights(kv_b_proj, num_heads: int, P: int, V: int, dtype: torch.dty
     """(W_UK [N, P, L], W_UV^T [N, L, V]) of a KvBProj, in `dtype` on `device`:
     views of its cached dequantized weight (no copy)."""
     w = kv_b_proj.dense_weight(dtype, torch.device(device))
-    _check(w.shape[0] == num_heads * (P + V),
-           f"kv_b_proj: expected {num_heads * (P + V)} rows (N*(P+V)), got {w.shape[0]}")
+    if w.shape[0] != num_heads * (P + V):
+        raise ValueError(f"kv_b_proj: expected {num_heads * (P + V)} rows (N*(P+V)), got {w.shape[0]}")
     w = w.view(num_heads, P + V, w.shape[1])
     return w[:, :P], w[:, P:].transpose(1, 2)
 
@@ -209,12 +204,12 @@ LATENT = Dispatcher(
 
 
 def _offsets(values, name: str, device) -> tuple[int, ...]:
-    _check(isinstance(values, (list, tuple)) and len(values) >= 1
-           and all(isinstance(v, int) and not isinstance(v, bool) for v in values),
-           f"{name}: expected host ints (a list or tuple of offsets, one more than the requests), got "
+    if not (isinstance(values, (list, tuple)) and len(values) >= 1
+           and all(isinstance(v, int) and not isinstance(v, bool) for v in values)):
+        raise ValueError(f"{name}: expected host ints (a list or tuple of offsets, one more than the requests), got "
            f"{type(values).__name__}")
-    _check(values[0] == 0 and all(b >= a for a, b in zip(values, values[1:])),
-           f"{name}: expected non-decreasing offsets starting at 0, got {list(values[:8])}"
+    if not (values[0] == 0 and all(b >= a for a, b in zip(values, values[1:]))):
+        raise ValueError(f"{name}: expected non-decreasing offsets starting at 0, got {list(values[:8])}"
            + ("..." if len(values) > 8 else ""))
     return tuple(values)
 
@@ -255,45 +250,50 @@ def latent_context_attention(
     """
     for name, t in (("q_lat", q_lat), ("q_pe", q_pe), ("cu_seqlens_q", cu_seqlens_q),
                     ("cu_seq_lens", cu_seq_lens)):
-        _check(isinstance(t, Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    _check(q_lat.dim() == 3 and q_lat.dtype in FLOAT_DTYPES,
-           f"q_lat: expected a [N, T, L] bf16/fp16/fp32 tensor, got {q_lat.dim()}-D {q_lat.dtype}")
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not (q_lat.dim() == 3 and q_lat.dtype in FLOAT_DTYPES):
+        raise ValueError(f"q_lat: expected a [N, T, L] bf16/fp16/fp32 tensor, got {q_lat.dim()}-D {q_lat.dtype}")
     N, T, L = q_lat.shape
-    _check(q_pe.dim() == 3 and q_pe.shape[:2] == (T, N),
-           f"q_pe: expected [{T}, {N}, R] (as q_lat [N, T, L]), got {tuple(q_pe.shape)}")
-    _check(q_pe.dtype == q_lat.dtype and q_pe.device == q_lat.device,
-           f"q_pe: expected {q_lat.dtype} on {q_lat.device} (as q_lat), got {q_pe.dtype} on {q_pe.device}")
-    _check(L <= 1 or q_lat.stride(2) == 1, f"q_lat: L must be contiguous (stride 1), got {q_lat.stride()}")
-    _check(q_pe.shape[2] <= 1 or q_pe.stride(2) == 1, f"q_pe: R must be contiguous, got {q_pe.stride()}")
+    if not (q_pe.dim() == 3 and q_pe.shape[:2] == (T, N)):
+        raise ValueError(f"q_pe: expected [{T}, {N}, R] (as q_lat [N, T, L]), got {tuple(q_pe.shape)}")
+    if not (q_pe.dtype == q_lat.dtype and q_pe.device == q_lat.device):
+        raise ValueError(f"q_pe: expected {q_lat.dtype} on {q_lat.device} (as q_lat), got {q_pe.dtype} on {q_pe.device}")
+    if not (L <= 1 or q_lat.stride(2) == 1):
+        raise ValueError(f"q_lat: L must be contiguous (stride 1), got {q_lat.stride()}")
+    if not (q_pe.shape[2] <= 1 or q_pe.stride(2) == 1):
+        raise ValueError(f"q_pe: R must be contiguous, got {q_pe.stride()}")
     qo = _offsets(q_offsets, "q_offsets", q_lat.device)
     co = _offsets(ctx_offsets, "ctx_offsets", q_lat.device)
-    _check(len(qo) == len(co), f"ctx_offsets: expected {len(qo)} entries (as q_offsets), got {len(co)}")
-    _check(qo[-1] <= T, f"q_offsets: the last offset {qo[-1]} exceeds the {T} query rows")
+    if len(qo) != len(co):
+        raise ValueError(f"ctx_offsets: expected {len(qo)} entries (as q_offsets), got {len(co)}")
+    if not (qo[-1] <= T):
+        raise ValueError(f"q_offsets: the last offset {qo[-1]} exceeds the {T} query rows")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seq_lens", cu_seq_lens)):
-        _check(t.dtype == torch.int32 and t.dim() == 1 and t.numel() == len(qo) and t.device == q_lat.device,
-               f"{name}: expected an int32 tensor [{len(qo)}] on {q_lat.device}, got {t.dtype} "
+        if not (t.dtype == torch.int32 and t.dim() == 1 and t.numel() == len(qo) and t.device == q_lat.device):
+            raise ValueError(f"{name}: expected an int32 tensor [{len(qo)}] on {q_lat.device}, got {t.dtype} "
                f"{tuple(t.shape)} on {t.device}")
-    _check(isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
-           and 0 < softmax_scale < float("inf"),
-           f"softmax_scale: expected a float > 0, got {softmax_scale!r}")
+    if not (isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+           and 0 < softmax_scale < float("inf")):
+        raise ValueError(f"softmax_scale: expected a float > 0, got {softmax_scale!r}")
     R = q_pe.shape[2]
     if rows is not None:
-        _check(isinstance(rows, Tensor) and rows.dim() == 2 and rows.shape[1] == L + R
+        if not (isinstance(rows, Tensor) and rows.dim() == 2 and rows.shape[1] == L + R
                and rows.shape[0] >= co[-1] and rows.dtype == q_lat.dtype and rows.device == q_lat.device
-               and rows.stride(1) == 1,
-               f"rows: expected [>= {co[-1]}, {L + R}] {q_lat.dtype} on {q_lat.device}, unit column stride")
+               and rows.stride(1) == 1):
+            raise ValueError(f"rows: expected [>= {co[-1]}, {L + R}] {q_lat.dtype} on {q_lat.device}, unit column stride")
     else:
         fmt = get_format(kv_cache_dtype)
-        _check(isinstance(kv_cache, Tensor) and kv_cache.dim() == 3 and kv_cache.device == q_lat.device,
-               f"kv_cache: expected a [num_blocks, block_size, entry] tensor on {q_lat.device}")
+        if not (isinstance(kv_cache, Tensor) and kv_cache.dim() == 3 and kv_cache.device == q_lat.device):
+            raise ValueError(f"kv_cache: expected a [num_blocks, block_size, entry] tensor on {q_lat.device}")
         check_cache_dtype(kv_cache, fmt)  # a float8 cache of the other fp8 type would decode wrongly
-        _check(isinstance(block_table, Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32
-               and block_table.shape[0] >= len(qo) - 1 and block_table.device == q_lat.device,
-               f"block_table: expected an int32 tensor [>= {len(qo) - 1}, max_blocks] on {q_lat.device}")
+        if not (isinstance(block_table, Tensor) and block_table.dim() == 2 and block_table.dtype == torch.int32
+               and block_table.shape[0] >= len(qo) - 1 and block_table.device == q_lat.device):
+            raise ValueError(f"block_table: expected an int32 tensor [>= {len(qo) - 1}, max_blocks] on {q_lat.device}")
         if seq_starts is not None:
-            _check(isinstance(seq_starts, Tensor) and seq_starts.dtype == torch.int32
-                   and seq_starts.numel() == len(qo) - 1 and seq_starts.device == q_lat.device,
-                   f"seq_starts: expected an int32 tensor [{len(qo) - 1}] on {q_lat.device}")
+            if not (isinstance(seq_starts, Tensor) and seq_starts.dtype == torch.int32
+                   and seq_starts.numel() == len(qo) - 1 and seq_starts.device == q_lat.device):
+                raise ValueError(f"seq_starts: expected an int32 tensor [{len(qo) - 1}] on {q_lat.device}")
         if cu_seq_lens.device.type == "cpu":  # free here (on CUDA a read would sync; the kernel bounds rows)
             check_offsets(cu_seq_lens, len(qo) - 1, seq_starts)
     x = LatentInputs(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, cu_seqlens_q, cu_seq_lens, seq_starts,

@@ -11,11 +11,6 @@ from mla_ext.prefill import context_cost as AC
 from mla_ext.prefill.backends import NO_PLAN
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 CONTEXT_ATTENTION_MODES = ("auto", "absorbed", "up_project")
 
 
@@ -23,8 +18,8 @@ _CHOICE_CACHE_MAX = 4096
 
 
 def check_context_attention(value) -> str:
-    _check(isinstance(value, str) and value in CONTEXT_ATTENTION_MODES,
-           f"context_attention: expected one of {CONTEXT_ATTENTION_MODES}, got {value!r}")
+    if not (isinstance(value, str) and value in CONTEXT_ATTENTION_MODES):
+        raise ValueError(f"context_attention: expected one of {CONTEXT_ATTENTION_MODES}, got {value!r}")
     return value
 
 

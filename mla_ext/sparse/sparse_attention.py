@@ -31,11 +31,6 @@ from mla_ext.dispatch import report_device
 MAX_ROW_BYTES = 64 << 20  # torch backend: decoded rows per query block
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 @dataclass
 class SparseInputs:
     q_lat: Tensor  # [N, T, L]
@@ -140,9 +135,9 @@ SPARSE = Dispatcher(
 
 
 def _lens(values, name: str) -> tuple[int, ...]:
-    _check(isinstance(values, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                                     for v in values),
-           f"{name}: expected host non-negative ints, one per request, got {values!r}")
+    if not (isinstance(values, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                     for v in values)):
+        raise ValueError(f"{name}: expected host non-negative ints, one per request, got {values!r}")
     return tuple(values)
 
 
@@ -160,31 +155,35 @@ def sparse_latent_attention(
     q_lens / ctx_lens host ints per request. `chosen`: the call site's backend when resolved once
     per batch (mla_ext/prefill/backends.py); None dispatches."""
     q_lens, ctx_lens = _lens(q_lens, "q_lens"), _lens(ctx_lens, "ctx_lens")
-    _check(q_lat.dim() == 3, f"q_lat: expected [N, T, L], got {tuple(q_lat.shape)}")
+    if q_lat.dim() != 3:
+        raise ValueError(f"q_lat: expected [N, T, L], got {tuple(q_lat.shape)}")
     N, T, L = q_lat.shape
-    _check(len(q_lens) == len(ctx_lens) and sum(q_lens) == T,
-           f"q_lens / ctx_lens: expected one entry per request, q_lens summing to T={T}; got {q_lens}, {ctx_lens}")
-    _check(q_pe.dim() == 3 and q_pe.shape[:2] == (T, N), f"q_pe: expected [T={T}, N={N}, R], got {tuple(q_pe.shape)}")
+    if not (len(q_lens) == len(ctx_lens) and sum(q_lens) == T):
+        raise ValueError(f"q_lens / ctx_lens: expected one entry per request, q_lens summing to T={T}; got {q_lens}, {ctx_lens}")
+    if not (q_pe.dim() == 3 and q_pe.shape[:2] == (T, N)):
+        raise ValueError(f"q_pe: expected [T={T}, N={N}, R], got {tuple(q_pe.shape)}")
     R = q_pe.shape[2]
-    _check(indices.dim() == 2 and indices.shape[0] == T and indices.dtype in (torch.int32, torch.int64),
-           f"indices: expected int32 [T={T}, K], got {indices.dtype} {tuple(indices.shape)}")
-    _check(new_kv_c.shape == (T, L) and new_k_pe.dim() == 2 and new_k_pe.shape[0] == T and new_k_pe.shape[1] >= R,
-           f"new_kv_c / new_k_pe: expected [T={T}, L={L}] / [T, R={R}], got {tuple(new_kv_c.shape)} / "
+    if not (indices.dim() == 2 and indices.shape[0] == T and indices.dtype in (torch.int32, torch.int64)):
+        raise ValueError(f"indices: expected int32 [T={T}, K], got {indices.dtype} {tuple(indices.shape)}")
+    if not (new_kv_c.shape == (T, L) and new_k_pe.dim() == 2 and new_k_pe.shape[0] == T and new_k_pe.shape[1] >= R):
+        raise ValueError(f"new_kv_c / new_k_pe: expected [T={T}, L={L}] / [T, R={R}], got {tuple(new_kv_c.shape)} / "
            f"{tuple(new_k_pe.shape)}")
-    _check(block_table.dim() == 2 and block_table.shape[0] >= len(q_lens),
-           f"block_table: expected [>= {len(q_lens)}, max_blocks], got {tuple(block_table.shape)}")
+    if not (block_table.dim() == 2 and block_table.shape[0] >= len(q_lens)):
+        raise ValueError(f"block_table: expected [>= {len(q_lens)}, max_blocks], got {tuple(block_table.shape)}")
     fmt = get_format(kv_cache_dtype)
     fmt.check_dims(L, R)
-    _check(kv_cache.dim() == 3, f"kv_cache: expected [num_blocks, block_size, entry], got {tuple(kv_cache.shape)}")
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache: expected [num_blocks, block_size, entry], got {tuple(kv_cache.shape)}")
     if fmt.quant_mode == QuantMode.FP8_PER_TENSOR:
-        _check(isinstance(k_scale, Tensor) and k_scale.numel() == 1,
-               f"k_scale: {fmt.name!r} needs a float32 tensor of 1 element")
+        if not (isinstance(k_scale, Tensor) and k_scale.numel() == 1):
+            raise ValueError(f"k_scale: {fmt.name!r} needs a float32 tensor of 1 element")
     check_cache_dtype(kv_cache, fmt)  # a float8 cache of the other fp8 type would decode wrongly
     check_no_meta(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, indices=indices,
                   new_kv_c=new_kv_c, new_k_pe=new_k_pe, k_scale=k_scale)
     for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("block_table", block_table), ("indices", indices),
                     ("new_kv_c", new_kv_c), ("new_k_pe", new_k_pe)):
-        _check(t.device == q_lat.device, f"{name}: expected device {q_lat.device} (q_lat's), got {t.device}")
+        if t.device != q_lat.device:
+            raise ValueError(f"{name}: expected device {q_lat.device} (q_lat's), got {t.device}")
     x = SparseInputs(q_lat, q_pe, kv_cache, kv_cache_dtype, block_table, indices, q_lens, ctx_lens, new_kv_c,
                      new_k_pe, k_scale, float(softmax_scale))
     return SPARSE.run(x, chosen)
