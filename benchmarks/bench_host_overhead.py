@@ -70,6 +70,11 @@ NOTES = """Reading the table:
   own code, in mla_ext's and elsewhere (torch, builtins).
 * On the CPU the microseconds include the (tiny) kernels; on a GPU host the calls are what the
   CPU spends per layer call.
+* Read the vLLM column with care: on a GPU, vLLM's own ops are single compiled calls, so vLLM's
+  forward_mha there costs about its own calls plus torch's ("vllm" + "other", ~280) plus one call
+  per op. mla_ext's planned layer call (~960) is below vLLM-with-mla_ext's-ops but still about
+  3x that native count; what remains is mostly per-call input checks (shapes, dtypes, devices,
+  overlap), each kept because it guards a kernel's memory.
 """
 
 
