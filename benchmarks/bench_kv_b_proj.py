@@ -415,7 +415,7 @@ def big_m(rows: list[dict]) -> list[str]:
 def marlin_plans(rows: list[dict], sm_count: int = 0) -> list[str]:
     """Per (N, format, M) where marlin_w8a16 was measured: its time and speed vs cuBLAS
     bf16, its plan (CTA tile, split-K on `sm_count` SMs) and the fastest --splits row if any."""
-    from mla_ext.kv_b_proj.marlin import plan_v2
+    from mla_ext.kv_b_proj.marlin import plan_gemm
 
     ok = [r for r in rows if r["status"] == "ok"]
     out = []
@@ -424,7 +424,7 @@ def marlin_plans(rows: list[dict], sm_count: int = 0) -> list[str]:
         r = sel.get("marlin_w8a16")
         if r is None:
             continue
-        p = plan_v2(m, n, r.get("K", K), 128 if fmt.endswith("g128") else -1, sm_count)
+        p = plan_gemm(m, n, r.get("K", K), 128 if fmt.endswith("g128") else -1, sm_count)
         line = (f"N={n} M={m} {fmt}: marlin_w8a16 {r['time_us']:.4g} us (x{r['ratio_vs_cublas_bf16']} vs cuBLAS "
                 f"bf16); tile {16 * p.mb}x{32 * p.ws}, split {p.split} on {sm_count or 'no'} SMs")
         splits = {b: x["time_us"] for b, x in sel.items() if b.startswith("marlin_w8a16[")}

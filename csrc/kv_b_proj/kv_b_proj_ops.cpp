@@ -148,7 +148,7 @@ at::Tensor marlin_fp8_dequantize(const at::Tensor& qweight, const at::Tensor& sc
 
 // C[M, N] = a[M, K] · dequant(W)^T. `a` may be a row-strided view (stride(0) >= K,
 // stride(1) == 1). CPU: the packed-layout reference; CUDA: the split-K mma.sync
-// kernel (marlin_fp8_gemm_v2.cu; split_k 0 = chosen from the shapes and the SM
+// kernel (marlin_fp8_gemm.cu; split_k 0 = chosen from the shapes and the SM
 // count). On the CPU the reference reproduces the kernel's slicing (split_k 0
 // there: one slice).
 at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Tensor& scales, int64_t N,
@@ -165,8 +165,8 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   const c10::ScalarType odt = out_dtype.value_or(act_dtype);
   TORCH_CHECK_VALUE(odt == at::kBFloat16 || odt == at::kHalf || odt == at::kFloat,
                     "out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got ", odt);
-  TORCH_CHECK_VALUE(split_k >= 0 && split_k <= mf::kV2MaxSplit, "split_k: expected 0 (automatic) to ",
-                    mf::kV2MaxSplit, ", got ", split_k);
+  TORCH_CHECK_VALUE(split_k >= 0 && split_k <= mf::kMaxSplit, "split_k: expected 0 (automatic) to ",
+                    mf::kMaxSplit, ", got ", split_k);
   const int64_t M = a.size(0);
   mf::GemmParams p{};
   p.a = reinterpret_cast<const uint16_t*>(a.data_ptr());
@@ -176,7 +176,7 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   p.M = M, p.N = N, p.K = K, p.group_size = group_size, p.act = act;
   if (a.is_cpu()) {
     // No SM count on the CPU: split_k 0 is one slice.
-    p.slice_tiles = mf::plan_v2(M, N, K, group_size, 0, split_k).slice_tiles;
+    p.slice_tiles = mf::plan_gemm(M, N, K, group_size, 0, split_k).slice_tiles;
     at::Tensor c = at::empty({M, N}, a.options().dtype(at::kFloat));
     p.c = c.data_ptr<float>();
     p.ldc = N;
@@ -197,8 +197,8 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
   p.out = odt == at::kFloat ? mf::OutKind::kFp32 : (odt == at::kHalf ? mf::OutKind::kFp16 : mf::OutKind::kBf16);
   c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const mf::GemmV2Plan plan =
-      mf::plan_v2(M, N, K, group_size, mf::marlin_fp8_device_sm_count(a.device().index()), split_k);
+  const mf::GemmPlan plan =
+      mf::plan_gemm(M, N, K, group_size, mf::marlin_fp8_device_sm_count(a.device().index()), split_k);
   p.slice_tiles = plan.slice_tiles;
   at::Tensor workspace, counters;  // split-K partials and per-tile tickets (graph-safe: allocator + memset)
   if (plan.split > 1 && M > 0) {
@@ -207,7 +207,7 @@ at::Tensor marlin_fp8_gemm(const at::Tensor& a, const at::Tensor& qweight, const
     p.workspace = workspace.data_ptr<float>();
     p.counters = counters.data_ptr<int32_t>();
   }
-  check_launch(mf::marlin_fp8_gemm_v2_cuda(p, plan, stream), "marlin_fp8_gemm");
+  check_launch(mf::marlin_fp8_gemm_cuda(p, plan, stream), "marlin_fp8_gemm");
   return c;
 #else
   TORCH_CHECK_VALUE(false, "a: expected a CPU tensor (built without CUDA), got ", a.device());

@@ -273,19 +273,19 @@ struct GemmParams {
   int64_t group_size;         // -1 per-channel, or 128
   ActKind act;
   OutKind out;
-  // Split-K (v2 GEMM and the CPU reference): k-tiles per slice (<= 0: all of K,
+  // Split-K (GEMM and the CPU reference): k-tiles per slice (<= 0: all of K,
   // one slice). Slice s covers k-tiles [s * slice_tiles, (s + 1) * slice_tiles).
   int64_t slice_tiles;
-  // v2 CUDA only, when the plan has split > 1: fp32 partials
+  // CUDA only, when the plan has split > 1: fp32 partials
   // [split, tiles, 16*mb x 64*np] and one zeroed int32 counter per output tile
-  // (GemmV2Plan::workspace_floats / counters); each tile's last slice to finish
+  // (GemmPlan::workspace_floats / counters); each tile's last slice to finish
   // sums the partials in slice order and resets its counter to 0.
   float* workspace;
   int32_t* counters;
 };
 
 // ---------------------------------------------------------------------------
-// v2 GEMM tiling and split-K plan (marlin_fp8_gemm_v2.cu; the CPU reference
+// GEMM tiling and split-K plan (marlin_fp8_gemm.cu; the CPU reference
 // and the bindings use the same plan, so the CPU reproduces the slicing)
 // ---------------------------------------------------------------------------
 // A CTA (4 warps) computes 16*mb rows x 64*np columns over one K slice. Warps
@@ -293,9 +293,9 @@ struct GemmParams {
 // panel for all mb 16-row blocks, so each weight word is dequantized once per
 // CTA and feeds mb mma.sync. np = ws / 2 (4 warps x ws x 8 = 64 * np columns).
 // Accumulators per lane: 4 * mb * ws floats, twice that for grouped scales
-// (a per-group partial beside the scaled sum); v2_tiling keeps them at 64.
+// (a per-group partial beside the scaled sum); gemm_tiling keeps them at 64.
 // Grouped: (mb, ws) = (1, 8), (2, 4), (4, 2); per-channel: (1, 8), (2, 8), (4, 4).
-struct GemmV2Tiling {
+struct GemmTiling {
   int mb;  // 16-row blocks per CTA: 1, 2 or 4
   int ws;  // n8 sub-tiles per warp: 2, 4 or 8
   MLA_MARLIN_HD int np() const { return ws / 2; }
@@ -303,24 +303,24 @@ struct GemmV2Tiling {
   MLA_MARLIN_HD int cols() const { return 32 * ws; }
 };
 
-MLA_MARLIN_HD GemmV2Tiling v2_tiling(int64_t M, bool grouped) {
+MLA_MARLIN_HD GemmTiling gemm_tiling(int64_t M, bool grouped) {
   if (M <= 16) return {1, 8};
   if (M <= 32) return {2, grouped ? 4 : 8};
   return {4, grouped ? 2 : 4};
 }
 
-constexpr int kV2StageTiles = 2;  // k-tiles per pipeline stage (32 k)
-constexpr int kV2MaxSplit = 64;   // largest split-K the op accepts
-constexpr int kV2AutoMaxSplit = 16;
-constexpr int64_t kV2MaxGridY = 65535;  // row tiles per launch (more: further launches)
+constexpr int kStageTiles = 2;  // k-tiles per pipeline stage (32 k)
+constexpr int kMaxSplit = 64;   // largest split-K the op accepts
+constexpr int kAutoMaxSplit = 16;
+constexpr int64_t kMaxGridY = 65535;  // row tiles per launch (more: further launches)
 
-struct GemmV2Plan {
-  GemmV2Tiling tiling;
+struct GemmPlan {
+  GemmTiling tiling;
   int64_t n_ctiles;          // CTA column tiles: ceil(N_pad/64 / np)
   int64_t m_tiles;           // CTA row tiles: ceil(M / (16 * mb))
   int64_t k_tiles;           // K / 16
   int64_t split;             // split-K slices (1: no workspace)
-  int64_t slice_tiles;       // k-tiles per slice, a multiple of kV2StageTiles (or all of K)
+  int64_t slice_tiles;       // k-tiles per slice, a multiple of kStageTiles (or all of K)
   int64_t workspace_floats;  // split > 1: split * tiles * rows * cols (tiles of one launch)
   int64_t counters;          // split > 1: tiles of one launch
 };
@@ -331,10 +331,10 @@ struct GemmV2Plan {
 // least two k-tiles each, so that a small-M GEMM (16 tiles at N = 4096) puts
 // a CTA on every SM. A slice length is a multiple of the 2-k-tile stage, so a
 // stage never holds two scale-group ends (groups are 8 k-tiles).
-MLA_MARLIN_HD GemmV2Plan plan_v2(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t sm_count,
+MLA_MARLIN_HD GemmPlan plan_gemm(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t sm_count,
                                  int64_t split_request) {
-  GemmV2Plan pl{};
-  pl.tiling = v2_tiling(M, grouped_scales(K, group_size));
+  GemmPlan pl{};
+  pl.tiling = gemm_tiling(M, grouped_scales(K, group_size));
   const int64_t n_tiles = padded_n(N) / kTileN;
   pl.n_ctiles = (n_tiles + pl.tiling.np() - 1) / pl.tiling.np();
   pl.m_tiles = (M + pl.tiling.rows() - 1) / pl.tiling.rows();
@@ -343,28 +343,28 @@ MLA_MARLIN_HD GemmV2Plan plan_v2(int64_t M, int64_t N, int64_t K, int64_t group_
   int64_t s = split_request;
   if (s <= 0) {
     s = (sm_count > 0 && tiles > 0) ? (sm_count + tiles / 2) / tiles : 1;
-    if (s > kV2AutoMaxSplit) s = kV2AutoMaxSplit;
-    const int64_t by_k = pl.k_tiles / kV2StageTiles;
+    if (s > kAutoMaxSplit) s = kAutoMaxSplit;
+    const int64_t by_k = pl.k_tiles / kStageTiles;
     if (s > by_k) s = by_k;
     // The reduction writes and re-reads one fp32 partial tile set per slice:
     // 8 * rows * cols bytes per slice. Bound it by the weight's bytes (fp8,
     // N_pad x K), so the split never moves more than the GEMM it splits (at
     // DeepSeek TP8, N = 4096, K = 512, M <= 16: 4 slices, not 8).
-    const int64_t rows = (pl.m_tiles < kV2MaxGridY ? pl.m_tiles : kV2MaxGridY) * pl.tiling.rows();
+    const int64_t rows = (pl.m_tiles < kMaxGridY ? pl.m_tiles : kMaxGridY) * pl.tiling.rows();
     const int64_t per_slice = 8 * rows * pl.n_ctiles * pl.tiling.cols();
     const int64_t by_bytes = per_slice > 0 ? padded_n(N) * K / per_slice : s;
     if (s > by_bytes) s = by_bytes;
   }
-  if (s > kV2MaxSplit) s = kV2MaxSplit;
+  if (s > kMaxSplit) s = kMaxSplit;
   if (s < 1) s = 1;
   int64_t len = (pl.k_tiles + s - 1) / s;
-  len = (len + kV2StageTiles - 1) / kV2StageTiles * kV2StageTiles;
+  len = (len + kStageTiles - 1) / kStageTiles * kStageTiles;
   if (len < 1) len = 1;
   pl.split = len >= pl.k_tiles ? 1 : (pl.k_tiles + len - 1) / len;
   pl.slice_tiles = pl.split == 1 ? pl.k_tiles : len;
   if (pl.split > 1) {
-    // One launch's tiles (launches beyond kV2MaxGridY row tiles reuse it in stream order).
-    const int64_t launch_tiles = pl.n_ctiles * (pl.m_tiles < kV2MaxGridY ? pl.m_tiles : kV2MaxGridY);
+    // One launch's tiles (launches beyond kMaxGridY row tiles reuse it in stream order).
+    const int64_t launch_tiles = pl.n_ctiles * (pl.m_tiles < kMaxGridY ? pl.m_tiles : kMaxGridY);
     pl.workspace_floats = pl.split * launch_tiles * pl.tiling.rows() * pl.tiling.cols();
     pl.counters = launch_tiles;
   }
@@ -396,9 +396,9 @@ void marlin_fp8_gemm_cpu(const GemmParams& p);
 // the device's arch).
 int marlin_fp8_repack_cuda(const RepackParams& p, void* stream);
 int marlin_fp8_dequantize_cuda(const DequantParams& p, void* stream);
-// The GEMM (split-K, multi-row-block CTAs): `plan` from plan_v2; p.slice_tiles,
+// The GEMM (split-K, multi-row-block CTAs): `plan` from plan_gemm; p.slice_tiles,
 // p.workspace and p.counters filled from it (workspace/counters only when split > 1).
-int marlin_fp8_gemm_v2_cuda(const GemmParams& p, const GemmV2Plan& plan, void* stream);
+int marlin_fp8_gemm_cuda(const GemmParams& p, const GemmPlan& plan, void* stream);
 // The SM count of a CUDA device (0 if it cannot be read); cached per device.
 int marlin_fp8_device_sm_count(int device);
 

@@ -1,4 +1,4 @@
-// Device helpers of the Marlin FP8 GEMM (marlin_fp8_gemm_v2.cu): cp.async, the m16n8k16 mma.sync, ldmatrix and the
+// Device helpers of the Marlin FP8 GEMM (marlin_fp8_gemm.cu): cp.async, the m16n8k16 mma.sync, ldmatrix and the
 // 16-bit <-> fp32 conversions. Torch-free; include only from .cu files.
 #pragma once
 

@@ -2,7 +2,7 @@
 // and bit-shift dequant as the CUDA kernels (marlin_fp8.h) and computes
 // C = A · (W · scale)^T in fp32, applying each group's scale to that group's
 // partial sum and adding split-K slices in slice order exactly as the CUDA
-// kernel does (p.slice_tiles from plan_v2). It is the
+// kernel does (p.slice_tiles from plan_gemm). It is the
 // proof of the packing on the CPU, not a fast path.
 #include <vector>
 

@@ -222,7 +222,7 @@ def marlin_fp8_slice_rows(packed: MarlinFp8Packed, start: int, stop: int) -> Mar
     return MarlinFp8Packed(qweight, scales, stop - start, packed.K, packed.group_size, packed.act_dtype)
 
 
-MAX_SPLIT_K = 64  # kV2MaxSplit in csrc/kv_b_proj/marlin_fp8.h
+MAX_SPLIT_K = 64  # kMaxSplit in csrc/kv_b_proj/marlin_fp8.h
 
 
 def marlin_fp8_gemm(
@@ -234,7 +234,7 @@ def marlin_fp8_gemm(
     out_dtype defaults to packed.act_dtype (bf16, fp16 or fp32 allowed).
     The CUDA kernel splits K and takes up to 64-row CTA tiles.
     split_k: K slices, 0 = chosen from the output tiles and the SM
-    count (`plan_v2`); on the CPU, 0 is one slice and n reproduces the
+    count (`plan_gemm`); on the CPU, 0 is one slice and n reproduces the
     kernel's n-slice summation order.
     """
     _require(a.dtype == packed.act_dtype,
@@ -250,8 +250,8 @@ def marlin_fp8_gemm(
 
 
 @dataclass(frozen=True)
-class GemmV2Plan:
-    """The v2 kernel's tiling and split-K for one call (mirror of plan_v2 in
+class GemmPlan:
+    """The kernel's tiling and split-K for one call (mirror of plan_gemm in
     csrc/kv_b_proj/marlin_fp8.h; a test compiles the header and compares the two).
 
     mb: 16-row blocks per CTA; ws: 8-column sub-tiles per warp (a CTA covers
@@ -269,8 +269,8 @@ class GemmV2Plan:
     counters: int
 
 
-def plan_v2(m: int, n: int, k: int, group_size: int, sm_count: int, split_k: int = 0) -> GemmV2Plan:
-    """The v2 GEMM plan (see GemmV2Plan) for an [m, k] x [n, k]^T call on a
+def plan_gemm(m: int, n: int, k: int, group_size: int, sm_count: int, split_k: int = 0) -> GemmPlan:
+    """The GEMM plan (see GemmPlan) for an [m, k] x [n, k]^T call on a
     device with `sm_count` SMs (0: no split unless `split_k` asks for one)."""
     grouped = grouped_scales(k, group_size)
     mb, ws = (1, 8) if m <= 16 else ((2, 4 if grouped else 8) if m <= 32 else (4, 2 if grouped else 4))
@@ -292,7 +292,7 @@ def plan_v2(m: int, n: int, k: int, group_size: int, sm_count: int, split_k: int
     slice_tiles = k_t if split == 1 else length
     launch_tiles = n_ct * min(m_t, 65535)
     ws_floats = split * launch_tiles * 16 * mb * 32 * ws if split > 1 else 0
-    return GemmV2Plan(mb, ws, n_ct, m_t, k_t, split, slice_tiles, ws_floats, launch_tiles if split > 1 else 0)
+    return GemmPlan(mb, ws, n_ct, m_t, k_t, split, slice_tiles, ws_floats, launch_tiles if split > 1 else 0)
 
 
 def marlin_fp8_dequantize(packed: MarlinFp8Packed, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -583,13 +583,13 @@ def test_cuda_gemm_graph_capturable():
 def test_cuda_gemm_short_and_long_k(act, k, split_k):
     """K=16/48: the pipeline stage is half full, no split possible, and the pipeline
     never fills; K=1024 wraps it often (with 2 slices: 32 k-tiles each)."""
-    from mla_ext.kv_b_proj.marlin import plan_v2
+    from mla_ext.kv_b_proj.marlin import plan_gemm
 
     n, m = 136, 19
     w, s, gen = _case(n, k, -1, seed=k)
     p = marlin_fp8_repack(w.cuda(), s.cuda(), act)
     a = torch.randn(m, k, generator=gen).to(act)
-    split = plan_v2(m, n, k, -1, torch.cuda.get_device_properties(0).multi_processor_count, split_k).split
+    split = plan_gemm(m, n, k, -1, torch.cuda.get_device_properties(0).multi_processor_count, split_k).split
     want = marlin_fp8_gemm(a, marlin_fp8_repack(w, s, act), out_dtype=torch.float32, split_k=split)
     got = marlin_fp8_gemm(a.cuda(), p, out_dtype=torch.float32, split_k=split_k).cpu()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
@@ -660,7 +660,7 @@ def test_cuda_gemm_on_vllm_tensors_without_a_copy(act, group_size, m):
 
 
 # ---------------------------------------------------------------------------
-# CUDA v2 kernel (split-K, multi-row-block tiles) against the CPU reference
+# CUDA kernel (split-K, multi-row-block tiles) against the CPU reference
 # ---------------------------------------------------------------------------
 
 
@@ -677,13 +677,13 @@ def _cpu_and_cuda(m, n, k, group_size, act, seed, row_stride=None):
 @pytest.mark.parametrize("group_size", [-1, 128])
 @pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64, 65, 128, 300])  # every (mb, ws) tiling, several row tiles
 @pytest.mark.parametrize("split_k", [0, 1, 3, 8])
-def test_cuda_v2_gemm_matches_cpu_reference_with_the_same_split(act, group_size, m, split_k):
+def test_cuda_gemm_gemm_matches_cpu_reference_with_the_same_split(act, group_size, m, split_k):
     """N = 4160: not a multiple of any CTA's columns (64/128/256); row stride 576."""
     n, k = 4160, 512
     pc, pg, a_cpu, a_gpu = _cpu_and_cuda(m, n, k, group_size, act, seed=m + split_k + group_size, row_stride=576)
-    from mla_ext.kv_b_proj.marlin import plan_v2
+    from mla_ext.kv_b_proj.marlin import plan_gemm
 
-    plan = plan_v2(m, n, k, group_size, torch.cuda.get_device_properties(0).multi_processor_count, split_k)
+    plan = plan_gemm(m, n, k, group_size, torch.cuda.get_device_properties(0).multi_processor_count, split_k)
     want = marlin_fp8_gemm(a_cpu, pc, out_dtype=torch.float32, split_k=plan.split)  # the kernel's slicing
     got = marlin_fp8_gemm(a_gpu, pg, out_dtype=torch.float32, split_k=split_k).cpu()
     assert not got.isnan().any()
@@ -711,7 +711,7 @@ def test_cuda_gemm_matches_fp32_reference(act, group_size, m):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("split_k", [0, 5, 16])
-def test_cuda_v2_split_k_is_deterministic_and_the_counters_reset(split_k):
+def test_cuda_gemm_split_k_is_deterministic_and_the_counters_reset(split_k):
     """The last slice sums the partials in slice order: bitwise equal results call
     after call (the per-tile counters are reset by the kernel, workspace reused)."""
     _, pg, _, a = _cpu_and_cuda(16, 4096, 512, 128, torch.bfloat16, seed=11)
@@ -722,7 +722,7 @@ def test_cuda_v2_split_k_is_deterministic_and_the_counters_reset(split_k):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("m, split_k", [(8, 0), (8, 8), (48, 0)])
-def test_cuda_v2_split_k_graph_capturable(m, split_k):
+def test_cuda_gemm_split_k_graph_capturable(m, split_k):
     gen = torch.Generator().manual_seed(2)
     w, s = _rand_fp8(4096, 512, gen), _rand_scales((4, 4096), gen)
     p = marlin_fp8_repack(w.cuda(), s.cuda(), torch.bfloat16, 128)

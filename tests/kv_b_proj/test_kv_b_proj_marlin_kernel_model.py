@@ -1,4 +1,4 @@
-"""A lane-level model of the CUDA Marlin FP8 GEMM (csrc/kv_b_proj/marlin_fp8_gemm_v2.cu).
+"""A lane-level model of the CUDA Marlin FP8 GEMM (csrc/kv_b_proj/marlin_fp8_gemm.cu).
 
 The CUDA kernel has never run on this project's GPU-less machines, and the CPU
 reference GEMM reads the packed layout through a different loop
@@ -79,19 +79,19 @@ def ptx_d_scatter(D):
 # swizzled CTA-wide cp.async pipeline
 # ---------------------------------------------------------------------------
 
-V2_THREADS, V2_STAGES, V2_KT = 128, 4, 2  # kThreads, kStages, kV2StageTiles
+GEMM_THREADS, GEMM_STAGES, GEMM_KT = 128, 4, 2  # kThreads, kStages, kStageTiles
 
 
 def swz(h, r):
-    """16-byte chunk slot of chunk h of row / lane r (marlin_fp8_gemm_v2.cu swz)."""
+    """16-byte chunk slot of chunk h of row / lane r (marlin_fp8_gemm.cu swz)."""
     return h ^ ((np.asarray(r) >> 2) & 1)
 
 
-def v2_scale_base(grouped, jb, t):
+def gemm_scale_base(grouped, jb, t):
     return 16 * t + jb if grouped else 8 * t + 32 * (jb // 4) + 2 * (jb % 4)
 
 
-def v2_scale_off(grouped, j, e):
+def gemm_scale_off(grouped, j, e):
     return 8 * e + j if grouped else 32 * (j // 4) + 2 * (j % 4) + e
 
 
@@ -103,9 +103,9 @@ def ldmatrix_x4(smem_rows, addr_of_lane):
     return [(mats[i][G, 2 * T], mats[i][G, 2 * T + 1]) for i in range(4)]
 
 
-def model_gemm_v2(a_bits, act, qweight, scales, M, N, K, group_size, plan, events=None):
-    """C[M, N] as marlin_fp8_gemm_v2_kernel computes it under `plan` (a
-    marlin.GemmV2Plan), float64 arithmetic. `events` (a list) records the
+def model_gemm(a_bits, act, qweight, scales, M, N, K, group_size, plan, events=None):
+    """C[M, N] as marlin_fp8_gemm_kernel computes it under `plan` (a
+    marlin.GemmPlan), float64 arithmetic. `events` (a list) records the
     copies and reads of each stage slot, for the ordering checks."""
     q = qweight.view(-1).numpy().view(np.uint32)
     s_flat = scales.view(-1).double().numpy()
@@ -120,10 +120,10 @@ def model_gemm_v2(a_bits, act, qweight, scales, M, N, K, group_size, plan, event
     grouped = 0 < group_size < K
     tiles = plan.n_ctiles * plan.m_tiles
     kacc = mb_n * ws_n * 4
-    workspace = np.full(plan.split * tiles * kacc * V2_THREADS, np.nan)
+    workspace = np.full(plan.split * tiles * kacc * GEMM_THREADS, np.nan)
     counters = np.zeros(tiles, np.int64)
     C = np.full((M, N), np.nan)
-    tid = np.arange(V2_THREADS)
+    tid = np.arange(GEMM_THREADS)
     # CTAs in an arbitrary order: the ordered reduction must not depend on it.
     rng = np.random.default_rng(M * 7 + N)
     ctas = [(n_ct, mt, sl) for n_ct in range(plan.n_ctiles) for mt in range(plan.m_tiles)
@@ -132,25 +132,25 @@ def model_gemm_v2(a_bits, act, qweight, scales, M, N, K, group_size, plan, event
         n_ct, mt, sl = ctas[idx]
         kt0 = sl * plan.slice_tiles
         kt1 = min(kt0 + plan.slice_tiles, k_tiles)
-        n_stages = -(-(kt1 - kt0) // V2_KT) if kt1 > kt0 else 0
+        n_stages = -(-(kt1 - kt0) // GEMM_KT) if kt1 > kt0 else 0
 
         def group_end(kt):
             return kt + 1 == kt1 or (kt + 1) % gt == 0
 
-        smem = [dict(w=np.full((V2_KT, np_, 256), 0xDEADBEEF, np.uint32), a=np.full((V2_KT, rows_t, 16), np.nan),
-                     s=np.full(cols, np.nan), s_group=None) for _ in range(V2_STAGES)]
+        smem = [dict(w=np.full((GEMM_KT, np_, 256), 0xDEADBEEF, np.uint32), a=np.full((GEMM_KT, rows_t, 16), np.nan),
+                     s=np.full(cols, np.nan), s_group=None) for _ in range(GEMM_STAGES)]
 
         def issue(i, st):
             stage = smem[st]
             stage["s_group"] = None
             if events is not None:
                 events.append(("copy", (n_ct, mt, sl), st, i))
-            for kk in range(V2_KT):
-                kt = kt0 + i * V2_KT + kk
+            for kk in range(GEMM_KT):
+                kt = kt0 + i * GEMM_KT + kk
                 if kt >= kt1:
                     break
-                for qq in range(-(-np_ * 64 // V2_THREADS)):  # weight chunks tid + 128 q
-                    c = tid + qq * V2_THREADS
+                for qq in range(-(-np_ * 64 // GEMM_THREADS)):  # weight chunks tid + 128 q
+                    c = tid + qq * GEMM_THREADS
                     for ci in c[c < np_ * 64]:
                         pp, lane, h = ci // 64, (ci % 64) // 2, ci % 2
                         panel = n_ct * np_ + pp
@@ -173,19 +173,19 @@ def model_gemm_v2(a_bits, act, qweight, scales, M, N, K, group_size, plan, event
                         src = (kt // gt) * n_pad + n_ct * cols + 8 * ci
                         stage["s"][8 * ci: 8 * ci + 8] = s_flat[src:src + 8] if ok else 0.0
 
-        for i in range(V2_STAGES - 1):
+        for i in range(GEMM_STAGES - 1):
             if i < n_stages:
                 issue(i, i)
         acc = np.zeros((4, mb_n, ws_n, 4, 32))  # [warp, mb, j, e, lane]
         part = np.zeros_like(acc)
         for i in range(n_stages):
-            if i + V2_STAGES - 1 < n_stages:
-                issue(i + V2_STAGES - 1, (i + V2_STAGES - 1) % V2_STAGES)
-            stage = smem[i % V2_STAGES]
+            if i + GEMM_STAGES - 1 < n_stages:
+                issue(i + GEMM_STAGES - 1, (i + GEMM_STAGES - 1) % GEMM_STAGES)
+            stage = smem[i % GEMM_STAGES]
             if events is not None:
-                events.append(("read", (n_ct, mt, sl), i % V2_STAGES, i))
-            for kk in range(V2_KT):
-                kt = kt0 + i * V2_KT + kk
+                events.append(("read", (n_ct, mt, sl), i % GEMM_STAGES, i))
+            for kk in range(GEMM_KT):
+                kt = kt0 + i * GEMM_KT + kk
                 if kt >= kt1:
                     break
                 for warp in range(4):
@@ -213,10 +213,10 @@ def model_gemm_v2(a_bits, act, qweight, scales, M, N, K, group_size, plan, event
                                 tgt[warp, mb, j, e] += v
                     if group_end(kt):
                         assert stage["s_group"] == kt // gt, "the stage's scale row is not this group's"
-                        sbase = pw * 64 + v2_scale_base(grouped, jb, T)
+                        sbase = pw * 64 + gemm_scale_base(grouped, jb, T)
                         for j in range(ws_n):
                             for e in range(4):
-                                pos = sbase + v2_scale_off(grouped, j, e & 1)
+                                pos = sbase + gemm_scale_off(grouped, j, e & 1)
                                 want = pw * 64 + np.array([scale_pos(8 * (jb + j) + 2 * t + (e & 1), grouped)
                                                            for t in T])
                                 assert np.array_equal(pos, want), "scale_base + scale_off != scale_pos"
@@ -227,11 +227,11 @@ def model_gemm_v2(a_bits, act, qweight, scales, M, N, K, group_size, plan, event
                                 else:
                                     acc[warp, :, j, e] *= sc
         # Thread-major accumulators: thread = warp * 32 + lane, element (mb * ws + j) * 4 + e.
-        acc_t = acc.transpose(1, 2, 3, 0, 4).reshape(kacc, V2_THREADS)
+        acc_t = acc.transpose(1, 2, 3, 0, 4).reshape(kacc, GEMM_THREADS)
         if plan.split > 1:
             tile = mt * plan.n_ctiles + n_ct
-            base_ws = (sl * tiles + tile) * kacc * V2_THREADS
-            workspace[base_ws + np.arange(kacc)[:, None] * V2_THREADS + tid[None, :]] = acc_t
+            base_ws = (sl * tiles + tile) * kacc * GEMM_THREADS
+            workspace[base_ws + np.arange(kacc)[:, None] * GEMM_THREADS + tid[None, :]] = acc_t
             ticket = counters[tile]
             counters[tile] += 1
             if ticket != plan.split - 1:
@@ -239,8 +239,8 @@ def model_gemm_v2(a_bits, act, qweight, scales, M, N, K, group_size, plan, event
             counters[tile] = 0
             out = np.zeros_like(acc_t)
             for s2 in range(plan.split):
-                got = workspace[(s2 * tiles + tile) * kacc * V2_THREADS
-                                + np.arange(kacc)[:, None] * V2_THREADS + tid[None, :]]
+                got = workspace[(s2 * tiles + tile) * kacc * GEMM_THREADS
+                                + np.arange(kacc)[:, None] * GEMM_THREADS + tid[None, :]]
                 assert not np.isnan(got).any(), "a slice's partial was read before it was written"
                 out = out + got
             acc_t = out
@@ -278,9 +278,9 @@ def _dense_case(M, N, K, group_size, act, seed):
     return a, packed, a.double().numpy() @ wd.numpy().T
 
 
-# Every v2 tiling ((mb, ws) by M and scale kind), ragged N (not a multiple of
+# Every tiling ((mb, ws) by M and scale kind), ragged N (not a multiple of
 # the CTA's columns), odd k-tile counts, and 1, several or automatic slices.
-V2_CASES = [
+GEMM_CASES = [
     # M, N, K, group_size, split_k, sm_count
     (5, 200, 256, 128, 0, 132),    # mb 1 ws 8, grouped, auto split (slices inside groups)
     (16, 72, 512, -1, 3, 0),       # mb 1 ws 8, per-channel, 3 slices of 12 k-tiles
@@ -293,37 +293,37 @@ V2_CASES = [
 
 
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M,N,K,group_size,split_k,sms", V2_CASES)
-def test_v2_kernel_model_matches_dense_reference(act, M, N, K, group_size, split_k, sms):
-    from mla_ext.kv_b_proj.marlin import plan_v2
+@pytest.mark.parametrize("M,N,K,group_size,split_k,sms", GEMM_CASES)
+def test_gemm_kernel_model_matches_dense_reference(act, M, N, K, group_size, split_k, sms):
+    from mla_ext.kv_b_proj.marlin import plan_gemm
 
     a, packed, ref = _dense_case(M, N, K, group_size, act, seed=M * 1000 + N + K)
-    plan = plan_v2(M, N, K, group_size, sms, split_k)
-    C = model_gemm_v2(a.view(torch.int16).numpy(), act, packed.qweight, packed.scales, M, N, K, group_size, plan)
+    plan = plan_gemm(M, N, K, group_size, sms, split_k)
+    C = model_gemm(a.view(torch.int16).numpy(), act, packed.qweight, packed.scales, M, N, K, group_size, plan)
     assert not np.isnan(C).any(), "an output element was never written"
     np.testing.assert_allclose(C, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
-def test_v2_cases_cover_every_tiling_and_a_split():
-    from mla_ext.kv_b_proj.marlin import plan_v2
+def test_gemm_cases_cover_every_tiling_and_a_split():
+    from mla_ext.kv_b_proj.marlin import plan_gemm
 
-    plans = [plan_v2(M, N, K, g, sms, s) for M, N, K, g, s, sms in V2_CASES]
-    tilings = {(p.mb, p.ws, 0 < g < K) for p, (M, N, K, g, s, sms) in zip(plans, V2_CASES)}
+    plans = [plan_gemm(M, N, K, g, sms, s) for M, N, K, g, s, sms in GEMM_CASES]
+    tilings = {(p.mb, p.ws, 0 < g < K) for p, (M, N, K, g, s, sms) in zip(plans, GEMM_CASES)}
     assert tilings >= {(1, 8, True), (2, 4, True), (4, 2, True), (1, 8, False), (2, 8, False), (4, 4, False)}
     assert any(p.split > 2 for p in plans) and any(p.split == 1 for p in plans)
-    assert any(p.slice_tiles % 8 for p, c in zip(plans, V2_CASES) if p.split > 1 and c[3] == 128)
+    assert any(p.slice_tiles % 8 for p, c in zip(plans, GEMM_CASES) if p.split > 1 and c[3] == 128)
 
 
 @pytest.mark.parametrize("M,N,K,group_size,split_k", [(9, 136, 512, 128, 5), (33, 200, 256, -1, 3)])
-def test_v2_stage_slots_are_read_after_their_copy_and_refilled_after_their_read(M, N, K, group_size, split_k):
+def test_gemm_stage_slots_are_read_after_their_copy_and_refilled_after_their_read(M, N, K, group_size, split_k):
     """Replays the model's copy/read events per CTA against the kernel's ordering:
     a slot's k-tile is read after it was copied and before it is copied again."""
-    from mla_ext.kv_b_proj.marlin import plan_v2
+    from mla_ext.kv_b_proj.marlin import plan_gemm
 
     a, packed, _ = _dense_case(M, N, K, group_size, torch.bfloat16, seed=3)
-    plan = plan_v2(M, N, K, group_size, 0, split_k)
+    plan = plan_gemm(M, N, K, group_size, 0, split_k)
     events = []
-    model_gemm_v2(a.view(torch.int16).numpy(), torch.bfloat16, packed.qweight, packed.scales, M, N, K,
+    model_gemm(a.view(torch.int16).numpy(), torch.bfloat16, packed.qweight, packed.scales, M, N, K,
                   group_size, plan, events)
     last_copy, read = {}, set()
     for kind, cta, slot, stage in events:
@@ -334,17 +334,17 @@ def test_v2_stage_slots_are_read_after_their_copy_and_refilled_after_their_read(
         else:
             assert last_copy.get((cta, slot)) == stage, f"stage {stage} read from slot {slot} of {cta} before its copy"
             read.add((cta, stage))
-    stages = -(-plan.slice_tiles // V2_KT)
+    stages = -(-plan.slice_tiles // GEMM_KT)
     assert plan.split > 2 and len(read) >= plan.n_ctiles * plan.m_tiles * (plan.split - 1) * stages
 
 
 @pytest.mark.parametrize("n_stages", range(0, 11))
-def test_v2_pipeline_bookkeeping(n_stages):
-    """The v2 loop: prologue issues stages 0..S-2 (one commit each), then per
+def test_gemm_pipeline_bookkeeping(n_stages):
+    """The loop: prologue issues stages 0..S-2 (one commit each), then per
     stage i: wait_group<S-2>, __syncthreads, issue stage i+S-1 into slot
     (i-1) % S, commit, compute slot i % S. Stage i's group is complete when it
     is read, and a slot is refilled only after the barrier that follows its read."""
-    S = V2_STAGES
+    S = GEMM_STAGES
     groups, pending, slot_reader = [], [], {}
     for i in range(S - 1):
         if i < n_stages:
@@ -371,7 +371,7 @@ int main() {
   using namespace mla_ext::marlin_fp8;
   long long m, n, k, g, sms, s;
   while (std::scanf("%lld %lld %lld %lld %lld %lld", &m, &n, &k, &g, &sms, &s) == 6) {
-    const GemmV2Plan p = plan_v2(m, n, k, g, sms, s);
+    const GemmPlan p = plan_gemm(m, n, k, g, sms, s);
     std::printf("%d %d %lld %lld %lld %lld %lld %lld %lld\n", p.tiling.mb, p.tiling.ws, (long long)p.n_ctiles,
                 (long long)p.m_tiles, (long long)p.k_tiles, (long long)p.split, (long long)p.slice_tiles,
                 (long long)p.workspace_floats, (long long)p.counters);
@@ -380,13 +380,13 @@ int main() {
 """
 
 
-def test_v2_plan_mirror_equals_the_header(tmp_path):
-    """mla_ext.kv_b_proj.marlin.plan_v2 (used by this model and the benchmark) is
-    plan_v2 of csrc/kv_b_proj/marlin_fp8.h (used by the op), over a grid of shapes."""
+def test_gemm_plan_mirror_equals_the_header(tmp_path):
+    """mla_ext.kv_b_proj.marlin.plan_gemm (used by this model and the benchmark) is
+    plan_gemm of csrc/kv_b_proj/marlin_fp8.h (used by the op), over a grid of shapes."""
     import shutil
     import subprocess
 
-    from mla_ext.kv_b_proj.marlin import plan_v2
+    from mla_ext.kv_b_proj.marlin import plan_gemm
 
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -404,24 +404,24 @@ def test_v2_plan_mirror_equals_the_header(tmp_path):
                          capture_output=True, check=True).stdout.split("\n")
     assert len(out) == len(cases) + 1
     for case, line in zip(cases, out):
-        p = plan_v2(*case)
+        p = plan_gemm(*case)
         want = [p.mb, p.ws, p.n_ctiles, p.m_tiles, p.k_tiles, p.split, p.slice_tiles, p.workspace_floats,
                 p.counters]
         assert [int(x) for x in line.split()] == want, case
-        assert p.split == 1 or (p.slice_tiles % V2_KT == 0 and (p.split - 1) * p.slice_tiles < p.k_tiles), case
+        assert p.split == 1 or (p.slice_tiles % GEMM_KT == 0 and (p.split - 1) * p.slice_tiles < p.k_tiles), case
     # The slice count alone fixes the slicing (the CPU reference is asked for the split a GPU plan chose).
     for kt in range(1, 130):
         for s in range(0, 65):
-            p = plan_v2(16, 4096, 16 * kt, -1, 132, s)
-            q = plan_v2(16, 4096, 16 * kt, -1, 0, p.split)
+            p = plan_gemm(16, 4096, 16 * kt, -1, 132, s)
+            q = plan_gemm(16, 4096, 16 * kt, -1, 0, p.split)
             assert (q.split, q.slice_tiles) == (p.split, p.slice_tiles), (kt, s)
     # DeepSeek-V3 TP8 (N = 4096, K = 512) at M <= 16 on an H200 (132 SMs): 4 slices, 64 CTAs
     # (8 would move 4 MB of partials through L2 for 2 MB of weights).
-    p = plan_v2(16, 4096, 512, 128, 132)
+    p = plan_gemm(16, 4096, 512, 128, 132)
     assert (p.n_ctiles * p.m_tiles * p.split, p.split) == (64, 4)
     # No automatic split moves more bytes in its reduction than the weight holds.
     for case in cases:
-        p = plan_v2(*case)
+        p = plan_gemm(*case)
         if case[-1] == 0 and p.split > 1:
             m, n, k = case[:3]
             assert 2 * p.workspace_floats * 4 <= -(-n // 64) * 64 * k, case

@@ -3,7 +3,7 @@
 //
 // Design, for small M (weight-bandwidth bound):
 // - Split-K. A CTA computes one output tile (16*mb rows x 64*np columns) over
-//   one K slice; plan_v2 (marlin_fp8.h) picks the slices from the tiles and
+//   one K slice; plan_gemm (marlin_fp8.h) picks the slices from the tiles and
 //   the SM count, bounded so that the partials written and re-read never
 //   exceed the weight's bytes: at N = 4096, K = 512 and M <= 16 (16 tiles)
 //   4 slices put 64 CTAs on the SMs (8 would move 4 MB of partials for 2 MB
@@ -35,7 +35,7 @@ namespace {
 
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kStages = 4;
-constexpr int kKT = kV2StageTiles;  // k-tiles per stage
+constexpr int kKT = kStageTiles;  // k-tiles per stage
 constexpr int kMinBlocks = 4;  // 4 CTAs (16 warps) per SM: at most 128 registers per thread
 
 using dev::act_to_float;
@@ -57,7 +57,7 @@ struct Stage {
 };
 
 // scale_pos(8*(jb + j) + 2t + e) = scale_base(jb, t) + scale_off(j, e) for the
-// sub-tiles a warp owns (jb % 4 + j < 4 unless jb = 0, for every v2 tiling):
+// sub-tiles a warp owns (jb % 4 + j < 4 unless jb = 0, for every tiling):
 // grouped 8*(2t + e) + jb + j; per-channel 32*((jb+j)/4) + 8t + 2*((jb+j)%4) + e.
 template <bool kGrouped>
 __device__ __forceinline__ int scale_base(int jb, int t) {
@@ -89,7 +89,7 @@ __device__ __forceinline__ void store_pair(OutT* c, int64_t ldc, int64_t row, in
 
 template <ActKind kAct, bool kGrouped, int kMB, int kWS>
 // register budget: 128
-__global__ void __launch_bounds__(kThreads, kMinBlocks) marlin_fp8_gemm_v2_kernel(GemmParams p, int64_t n_ctiles,
+__global__ void __launch_bounds__(kThreads, kMinBlocks) marlin_fp8_gemm_kernel(GemmParams p, int64_t n_ctiles,
                                                                       int64_t m_tiles, int64_t split) {
   using St = Stage<kMB, kWS>;
   constexpr int kNP = St::kNP, kRowsT = St::kRowsT, kCols = St::kCols;
@@ -312,10 +312,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) marlin_fp8_gemm_v2_kerne
 }
 
 template <ActKind kAct, bool kGrouped, int kMB, int kWS>
-void launch(const GemmParams& p, const GemmV2Plan& pl, cudaStream_t st) {
+void launch(const GemmParams& p, const GemmPlan& pl, cudaStream_t st) {
   // Row tiles beyond grid.y's limit go to further launches (same stream, so the
   // split-K workspace and counters are reused in order).
-  const int64_t rows = kV2MaxGridY * 16 * kMB;
+  const int64_t rows = kMaxGridY * 16 * kMB;
   const int64_t out_elt = p.out == OutKind::kFp32 ? 4 : 2;
   for (int64_t m0 = 0; m0 < p.M; m0 += rows) {
     GemmParams q = p;
@@ -325,13 +325,13 @@ void launch(const GemmParams& p, const GemmV2Plan& pl, cudaStream_t st) {
     const int64_t m_tiles = (q.M + 16 * kMB - 1) / (16 * kMB);
     const dim3 grid(static_cast<unsigned>(pl.n_ctiles), static_cast<unsigned>(m_tiles),
                     static_cast<unsigned>(pl.split));
-    marlin_fp8_gemm_v2_kernel<kAct, kGrouped, kMB, kWS><<<grid, kThreads, 0, st>>>(q, pl.n_ctiles, m_tiles,
+    marlin_fp8_gemm_kernel<kAct, kGrouped, kMB, kWS><<<grid, kThreads, 0, st>>>(q, pl.n_ctiles, m_tiles,
                                                                                   pl.split);
   }
 }
 
 template <ActKind kAct>
-int launch_for_tiling(const GemmParams& p, const GemmV2Plan& pl, cudaStream_t st) {
+int launch_for_tiling(const GemmParams& p, const GemmPlan& pl, cudaStream_t st) {
   const bool grouped = grouped_scales(p.K, p.group_size);
   const int mb = pl.tiling.mb, ws = pl.tiling.ws;
   if (grouped) {
@@ -343,12 +343,12 @@ int launch_for_tiling(const GemmParams& p, const GemmV2Plan& pl, cudaStream_t st
     if (mb == 2 && ws == 8) return launch<kAct, false, 2, 8>(p, pl, st), 0;
     if (mb == 4 && ws == 4) return launch<kAct, false, 4, 4>(p, pl, st), 0;
   }
-  return static_cast<int>(cudaErrorInvalidConfiguration);  // a tiling v2_tiling never makes
+  return static_cast<int>(cudaErrorInvalidConfiguration);  // a tiling gemm_tiling never makes
 }
 
 }  // namespace
 
-int marlin_fp8_gemm_v2_cuda(const GemmParams& p, const GemmV2Plan& plan, void* stream) {
+int marlin_fp8_gemm_cuda(const GemmParams& p, const GemmPlan& plan, void* stream) {
   if (p.M == 0 || p.N == 0) return 0;
   if (plan.split > 1 && (p.workspace == nullptr || p.counters == nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
