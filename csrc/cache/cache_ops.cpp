@@ -185,6 +185,18 @@ cache::GatherParams cp_gather_params(const at::Tensor& src_cache, const at::Tens
   return p;
 }
 
+// The new tokens' rows as the writer and the KV-scale kernel read them (both param structs
+// name these fields alike).
+template <typename Params>
+void set_input_rows(Params& p, const at::Tensor& kv_c, const at::Tensor& k_pe) {
+  p.kv_c = static_cast<const uint8_t*>(kv_c.data_ptr());
+  p.kv_c_row_stride = kv_c.stride(0) * kv_c.element_size();
+  p.k_pe = static_cast<const uint8_t*>(k_pe.data_ptr());
+  p.k_pe_row_stride = k_pe.stride(0) * k_pe.element_size();
+  p.in_type = cache_elem_type(kv_c);
+  p.num_tokens = static_cast<int32_t>(kv_c.size(0));
+}
+
 cache::WriteParams write_params(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
                                 const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
                                 const at::Tensor& k_scale) {
@@ -226,12 +238,7 @@ cache::WriteParams write_params(const at::Tensor& kv_c, const at::Tensor& k_pe, 
   check_no_overlap(kv_cache, "kv_cache", k_scale, "k_scale");
 
   cache::WriteParams p{};
-  p.kv_c = static_cast<const uint8_t*>(kv_c.data_ptr());
-  p.kv_c_row_stride = kv_c.stride(0) * kv_c.element_size();
-  p.k_pe = static_cast<const uint8_t*>(k_pe.data_ptr());
-  p.k_pe_row_stride = k_pe.stride(0) * k_pe.element_size();
-  p.in_type = cache_elem_type(kv_c);
-  p.num_tokens = static_cast<int32_t>(kv_c.size(0));
+  set_input_rows(p, kv_c, k_pe);
   p.L = L;
   p.R = R;
   p.cache = static_cast<uint8_t*>(kv_cache.data_ptr());
@@ -264,12 +271,7 @@ cache::KvScaleParams kv_scale_params(const at::Tensor& kv_c, const at::Tensor& k
   TORCH_CHECK_VALUE(kv_c.size(0) < INT32_MAX, "kv_c: too many tokens");
   *out = at::empty({1}, kv_c.options().dtype(at::kFloat));
   cache::KvScaleParams p{};
-  p.kv_c = static_cast<const uint8_t*>(kv_c.data_ptr());
-  p.kv_c_row_stride = kv_c.stride(0) * kv_c.element_size();
-  p.k_pe = static_cast<const uint8_t*>(k_pe.data_ptr());
-  p.k_pe_row_stride = k_pe.stride(0) * k_pe.element_size();
-  p.in_type = cache_elem_type(kv_c);
-  p.num_tokens = static_cast<int32_t>(kv_c.size(0));
+  set_input_rows(p, kv_c, k_pe);
   p.L = kv_c.size(1);
   p.R = k_pe.size(1);
   p.fp8_max = f == CacheFormat::kFp8E5M2 ? kE5M2Max : kE4M3Max;

@@ -26,6 +26,7 @@ from mla_ext.attention.api import AttentionInputs
 from mla_ext.attention.reference import varlen_attention_ref
 from mla_ext.attention.scratch import AttentionScratch
 from helpers.numeric import rel_fro
+from helpers.benchmarks import load_benchmark
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -446,14 +447,9 @@ def test_bench_attention_cpu_smoke(tmp_path):
     """--quick on the CPU: peaks, SDPA, every usable backend side by side (flex
     included), merges; every row ok; the attention entries of the dispatch table."""
     import csv
-    import importlib.util
     import json
-    import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_attention.py")
-    spec = importlib.util.spec_from_file_location("bench_attention_smoke", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_attention", "bench_attention_smoke")
     assert bench.main(["--quick", "--out", str(tmp_path), "--budget-s", "0"]) == 0
     with open(tmp_path / "bench_attention_cpu.csv") as f:
         rows = list(csv.DictReader(f))

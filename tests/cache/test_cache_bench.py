@@ -3,24 +3,17 @@ backend against the torch baseline and writes its CSV and PNG, keeping a failing
 wrong backend as a row; real numbers come from `benchmarks/bench_cache.py` itself
 (CPU) or a GPU run."""
 import csv
-import importlib.util
-import os
 
 import pytest
 import torch
+from helpers.benchmarks import load_benchmark
 
 pytest.importorskip("matplotlib")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_cache", os.path.join(ROOT, "benchmarks", "bench_cache.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_cache")
 
 
 def test_bench_cache_cpu_smoke(bench, tmp_path, capsys):

@@ -3,25 +3,19 @@ its CSV row by row, keeps going past a failing or wrong backend, and reports the
 dispatch thresholds' crossovers from whatever rows exist; the real numbers come
 from a GPU run (benchmarks/gpu_check.sh)."""
 import csv
-import importlib.util
 import json
-import os
 import re
 
 import pytest
 import torch
+from helpers.benchmarks import load_benchmark
 
 pytest.importorskip("matplotlib")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kv_b_proj", os.path.join(ROOT, "benchmarks", "bench_kv_b_proj.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_kv_b_proj")
 
 
 def _rows(path):

@@ -1,18 +1,11 @@
 """The host-overhead benchmark runs (--quick, without vLLM): its table has the shape's row, the
 planned path's output is bitwise the per-call path's, and it makes fewer Python calls per layer
 call than every op dispatching on its own."""
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.benchmarks import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_host_overhead", os.path.join(ROOT, "benchmarks", "bench_host_overhead.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_host_overhead")
 
 
 def test_quick_run_writes_the_table(tmp_path):

@@ -34,6 +34,7 @@ from mla_ext.attention.latent_reference import (
 from mla_ext.prefill.layer import MLAPrefill, PrefillMetadata
 from mla_ext.prefill.reference import mla_prefill_reference
 from mla_ext.prefill.synthetic import SyntheticBatch
+from helpers.benchmarks import load_benchmark
 from helpers.numeric import rel_fro
 
 try:
@@ -542,14 +543,7 @@ def test_cuda_absorbed_equals_up_projection(fmt):
 # -- the benchmark (CPU smoke run: the script and its report, not speed) ----------------------
 
 def _bench():
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_absorbed", os.path.join(root, "benchmarks", "bench_absorbed.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_absorbed")
 
 
 def test_bench_measured_crossover_interpolates_where_the_ratio_crosses_one():

@@ -3,10 +3,7 @@ MLAPrefill (several chunks, a request without context, both cache kinds), so
 its speed-up numbers compare like with like; a failing or mismatching case is a
 row of the CSV and the run goes on."""
 import csv
-import importlib.util
 import math
-import os
-import sys
 
 import pytest
 import torch
@@ -18,17 +15,12 @@ from mla_ext.config.policy import CacheConfig
 from mla_ext.prefill.layer import MLAPrefill
 from mla_ext.prefill.synthetic import SyntheticBatch
 from helpers.numeric import rel_fro
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_prefill", os.path.join(ROOT, "benchmarks", "bench_prefill.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_prefill")
 
 
 @pytest.mark.parametrize("skip", [(), (1,)])
