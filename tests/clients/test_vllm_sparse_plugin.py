@@ -1,0 +1,94 @@
+"""Where mla_ext's vLLM plugin installs its DSA pieces (mla_ext/vllm/sparse_plugin.py): the
+sparse backend under CUSTOM everywhere and under FLASHMLA_SPARSE on capability 8.x only; vLLM
+functions rebound only where the GPU lacks them, including in modules imported after the
+plugin loaded; nothing on 9.x. The post-import hook and the route matrix are checked without
+vLLM."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clients.client_tree import ClientUnavailable, ensure
+from mla_ext.vllm import sparse_plugin as sp
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+OURS = sp.SPARSE_BACKEND_PATH
+
+
+def _routes(cap):
+    return {r.attr for r in sp.ROUTES if sp.needed(r, cap)}
+
+
+def test_routes_follow_what_the_gpu_lacks():
+    deep_gemm = {"fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "has_deep_gemm", "get_paged_mqa_logits_metadata"}
+    triton_fp8 = {"fused_norm_rope", "fused_q", "fused_indexer_q_rope_quant"}
+    c_ops = {"indexer_k_quant_and_cache", "cp_gather_indexer_k_quant_cache", "top_k_per_row_prefill",
+             "top_k_per_row_decode"}
+    assert _routes((8, 0)) == _routes((8, 6)) == deep_gemm | triton_fp8 | c_ops
+    assert _routes((8, 9)) == deep_gemm | c_ops  # Triton has fp8e4nv from sm_89
+    assert _routes((9, 0)) == _routes((10, 0)) == _routes((12, 0)) == set()
+    assert _routes(None) == set()  # vLLM CPU: its own forward_cpu
+
+
+def test_post_import_hook_patches_a_module_imported_later(tmp_path, monkeypatch):
+    (tmp_path / "mla_ext_hook_probe.py").write_text("def f():\n    return 'vllm'\n\ndef g():\n    return f()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    sp.when_imported("mla_ext_hook_probe", lambda m: (seen.append(m.__name__), setattr(m, "f", lambda: "mla_ext")))
+    assert not seen
+    import mla_ext_hook_probe
+
+    assert seen == ["mla_ext_hook_probe"] and mla_ext_hook_probe.g() == "mla_ext"
+    sp.when_imported("mla_ext_hook_probe", lambda m: seen.append("again"))  # already imported: now
+    assert seen[-1] == "again"
+    sys.modules.pop("mla_ext_hook_probe")
+
+
+def test_sparse_mode_is_parsed_strictly(monkeypatch):
+    monkeypatch.setenv(sp.SPARSE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="MLA_EXT_VLLM_SPARSE: expected 1/on, 0/off or unset"):
+        sp.sparse_mode()
+
+
+@pytest.fixture(scope="module")
+def vllm_tree() -> Path:
+    try:
+        return ensure("vllm")
+    except ClientUnavailable as exc:
+        pytest.skip(f"vLLM 0.33's Python tree could not be fetched: {exc}")
+
+
+def _registration(vllm_tree, stated: str, **env_extra) -> dict:
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_tree), str(REPO)]), **env_extra)
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_sparse_registration.py"), stated], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_capability_8x_gets_the_backend_without_flags_and_the_routes(vllm_tree):
+    r = _registration(vllm_tree, "8.6")
+    assert r["flashmla_sparse"] == OURS and r["custom"] == OURS
+    assert r["flash_attn_mla_sparse"] is None  # one member is enough; the others stay vLLM's
+    # vllm._custom_ops was imported after the plugin loaded: patched at its import (no _C here).
+    assert r["top_k_per_row_prefill"] == "mla_ext.vllm._indexer_ops.top_k_per_row_prefill"
+    assert "vllm._custom_ops.indexer_k_quant_and_cache" in r["routed"]
+
+
+def test_capability_9x_keeps_vllms_kernels(vllm_tree):
+    r = _registration(vllm_tree, "9.0")
+    assert r["flashmla_sparse"] is None and r["custom"] == OURS
+    assert r["routed"] == [] and r["waiting_before_import"] == []
+    assert r["top_k_per_row_prefill"] == "vllm._custom_ops.top_k_per_row_prefill"
+
+
+def test_sparse_off_registers_nothing(vllm_tree):
+    r = _registration(vllm_tree, "8.6", MLA_EXT_VLLM_SPARSE="0")
+    assert r["flashmla_sparse"] is None and r["custom"] is None and r["routed"] == []
