@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 
-from clients.client_tree import ClientUnavailable, ensure
 from clients.vllm_cases import BATCHES, CONTEXT_CASES
 
 HERE = Path(__file__).resolve().parent
@@ -73,14 +72,6 @@ def test_ops_mode_refuses_unknown(monkeypatch):
 
 
 # -- 2. with vLLM 0.33's own code ----------------------------------------------
-
-@pytest.fixture(scope="module")
-def vllm_tree() -> Path:
-    try:
-        return ensure("vllm")
-    except ClientUnavailable as exc:
-        pytest.skip(f"vLLM 0.33's Python tree could not be fetched: {exc}")
-
 
 def _run(vllm_tree: Path, args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from clients.client_tree import ClientUnavailable, ensure
 from mla_ext.vllm import sparse_plugin as sp
 
 HERE = Path(__file__).resolve().parent
@@ -53,14 +52,6 @@ def test_sparse_mode_is_parsed_strictly(monkeypatch):
     monkeypatch.setenv(sp.SPARSE_ENV, "sometimes")
     with pytest.raises(ValueError, match="MLA_EXT_VLLM_SPARSE: expected 1/on, 0/off or unset"):
         sp.sparse_mode()
-
-
-@pytest.fixture(scope="module")
-def vllm_tree() -> Path:
-    try:
-        return ensure("vllm")
-    except ClientUnavailable as exc:
-        pytest.skip(f"vLLM 0.33's Python tree could not be fetched: {exc}")
 
 
 def _registration(vllm_tree, stated: str, **env_extra) -> dict:
