@@ -140,7 +140,7 @@ if triton is not None:
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = heads < H
         heads = heads.to(tl.int64)
-        sp = tl.program_id(2).to(tl.int64)
+        sp = tl.program_id(2)
         q, qp = _load_queries(ql_ptr, qp_ptr, t, heads, h_mask, ql_st, ql_sh, qp_st, qp_sh, L, R, LOWP_DOT, BLOCK_L,
                               BLOCK_R)
         k_scale = load_k_scale(ks_ptr, MODE)
@@ -152,15 +152,16 @@ if triton is not None:
         k_hi = tl.minimum(K, k_lo + split_len)
         for j0 in range(k_lo, k_hi, BLOCK_N):
             j = j0 + offs_n
-            s = tl.load(sl_ptr + t * sl_st + j, mask=j < k_hi, other=-1).to(tl.int64)
+            # int32 slot arithmetic (a 64-bit division per slot spilled 276-424 B on sm_80..90)
+            s = tl.load(sl_ptr + t * sl_st + j, mask=j < k_hi, other=-1)
             blk = s // block_rows
             ok = (s >= 0) & (s - blk * block_rows < block_size) & (blk < num_blocks)
-            row = tl.where(ok, s, 0) * c_ent  # the flat row: block stride = block_rows rows
+            row = tl.where(ok, s, 0).to(tl.int64) * c_ent  # the flat row: block stride = block_rows rows
             kv, pe = load_latent_rows(c_ptr, c32_ptr, c16_ptr, row, ok, k_scale, L, R, MODE, BLOCK_N, BLOCK_L,
                                       BLOCK_R)
             m_i, l_i, acc = latent_softmax_step(q, qp, kv, pe, ok, qk_scale_log2, m_i, l_i, acc, LOWP_DOT,
                                                 IEEE_FP32, BLOCK_R)
-        _store_outputs(o_ptr + sp * o_ss + t * o_st, lse_ptr + sp * lse_ss + t * lse_st, heads, h_mask, o_sh, lse_sh,
+        _store_outputs(o_ptr + sp.to(tl.int64) * o_ss + t * o_st, lse_ptr + sp.to(tl.int64) * lse_ss + t * lse_st, heads, h_mask, o_sh, lse_sh,
                        acc, m_i, l_i, L, BLOCK_L)
 
 
