@@ -136,22 +136,22 @@ def indexer_q_rope_quant_reference(positions: Tensor, q: Tensor, cos_sin_cache: 
     T, H, D = q.shape
     R = cos_sin_cache.shape[-1]
     half = R // 2
-    cs = cos_sin_cache.to(torch.float32)[positions.to(torch.int64).cpu()].to(torch.float64)  # [T, R]
+    cs = cos_sin_cache.to(torch.float32)[positions.to(device=cos_sin_cache.device, dtype=torch.int64)]  # [T, R]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
-    x = _f64(q)
+    x = _f64(q).to(cs.device)
     if is_neox:
         i0, i1 = torch.arange(half), half + torch.arange(half)
     else:
         i0, i1 = 2 * torch.arange(half), 2 * torch.arange(half) + 1
     x0, x1 = x[..., i0], x[..., i1]
     # the kernel's fp32 arithmetic, then bf16 (round to nearest even)
-    r0 = _bf16_round((x0.float() * cos.float() - x1.float() * sin.float()))
-    r1 = _bf16_round((x1.float() * cos.float() + x0.float() * sin.float()))
+    r0 = _bf16_round(x0.float() * cos - x1.float() * sin)
+    r1 = _bf16_round(x1.float() * cos + x0.float() * sin)
     y = x.clone()
     y[..., i0], y[..., i1] = r0, r1
     amax = y.abs().amax(dim=-1).to(torch.float32)  # [T, H]
     raw = amax.clamp_min(1e-10) * (1.0 / E4M3_MAX)
     scale = ue8m0_ceil(raw)
     qf = (y / scale.to(torch.float64)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float32)
-    w = ((weights.to(torch.float32) * scale) * softmax_scale) * head_scale
+    w = ((weights.to(device=scale.device, dtype=torch.float32) * scale) * softmax_scale) * head_scale
     return qf.to(torch.float8_e4m3fn), w
