@@ -36,6 +36,11 @@
 #               in its log tail; CSV, report and the measured rates in the tarball only,
 #               bench/dispatch_table_<device>.json gets a context_attention section)
 #   bench_cache (10 repetitions), bench_attention
+#   bench_vllm_sparse  vLLM's DSA path on mla_ext's plugin ops (benchmarks/bench_vllm_sparse.py
+#               --quick): the sparse MLA backend's attention from physical top-k slots (decode,
+#               CUDA-graph captured and replayed, and prefill past index_topk; bf16 and fp8_ds_mla)
+#               and the indexer ops with DeepGEMM's contracts, each checked against the torch
+#               reference and timed vs a device copy / the roofline; CSV in the tarball only
 #   bench_sparse (--quick: DSA sparse prefill vs dense at 32K and 128K context, fp8_ds_mla
 #               + fp8 index cache, bytes/FLOPs vs the roofline; CSV in the tarball only)
 # Without a GPU (no nvidia-smi, or it lists none) it runs the CPU-side steps (build,
@@ -73,12 +78,14 @@ FAULTHANDLER_S=45              # pytest dumps every thread's stack after this lo
 # gather 3 and attention 3. bench_sparse's 15 s (+ 8) came out of facts 4, cuda 5,
 # memcheck 4, demo 4 and kv_b_proj 6. racecheck's 18 s (+ 8 s of kill grace and
 # packing) came out of build 16 (one arch, no PTX on the lent machine), cuda 6 and
-# kv_b_proj 4.
+# kv_b_proj 4. bench_vllm_sparse's 14 s (+ 8) came out of cuda 9, demo 4, kv_b_proj 6
+# and absorbed 3.
 CAP_FACTS=11; CAP_BUILD=120; CAP_INFO=15
-CAP_CUDA=84; CAP_CUDA_FILE=84
+CAP_CUDA=75; CAP_CUDA_FILE=75
 CAP_MEMCHECK=42; CAP_MEMCHECK_FILE=42
 CAP_RACECHECK=18
-CAP_DEMO=27; CAP_KVB=32; CAP_PREFILL=20; CAP_ABSORBED=20; CAP_GATHER=12; CAP_ATTENTION=12; CAP_SPARSE=15
+CAP_DEMO=23; CAP_KVB=26; CAP_PREFILL=20; CAP_ABSORBED=17; CAP_GATHER=12; CAP_ATTENTION=12; CAP_SPARSE=15
+CAP_VLLM_SPARSE=14
 # Test files of the C++/CUDA ops, for memcheck (their Triton cases are deselected).
 MEMCHECK_FILES="cache/test_cache_ops.py cache/test_cache_fp8.py attention/test_attention_merge.py kv_b_proj/test_kv_b_proj_marlin.py"
 # CUDA test files run first in this order; any other file with a cuda mark follows.
@@ -470,6 +477,7 @@ if [ "$mode" = gpu ]; then
   step bench_cache bench_cache $CAP_GATHER 12 "$py" benchmarks/bench_cache.py --reps 10 --out "${work:-W}/bench"
   step bench_attention bench_attention $CAP_ATTENTION 12 "$py" benchmarks/bench_attention.py --out "${work:-W}/bench"
   step bench_sparse bench_sparse $CAP_SPARSE 10 "$py" benchmarks/bench_sparse.py --quick --out "${work:-W}/bench"
+  step bench_vllm_sparse bench_vllm_sparse $CAP_VLLM_SPARSE 8 "$py" benchmarks/bench_vllm_sparse.py --quick --out "${work:-W}/bench"
 else
   record cuda "SKIPPED" 0 0 "no GPU"
   record memcheck "SKIPPED" 0 0 "no GPU"
@@ -481,10 +489,11 @@ else
   step bench_cache bench_cache $CAP_GATHER 12 "$py" benchmarks/bench_cache.py --quick --out "${work:-W}/bench"
   step bench_attention bench_attention $CAP_ATTENTION 12 "$py" benchmarks/bench_attention.py --quick --out "${work:-W}/bench"
   step bench_sparse bench_sparse $CAP_SPARSE 10 "$py" benchmarks/bench_sparse.py --quick --out "${work:-W}/bench"
+  step bench_vllm_sparse bench_vllm_sparse $CAP_VLLM_SPARSE 8 "$py" benchmarks/bench_vllm_sparse.py --quick --out "${work:-W}/bench"
 fi
 
 if [ $plan -eq 1 ]; then
-  echo "PLAN end=$(elapsed) sum_of_caps=$((CAP_FACTS + CAP_BUILD + CAP_INFO + CAP_CUDA + CAP_MEMCHECK + CAP_RACECHECK + CAP_DEMO + CAP_KVB + CAP_PREFILL + CAP_ABSORBED + CAP_GATHER + CAP_ATTENTION + CAP_SPARSE))"
+  echo "PLAN end=$(elapsed) sum_of_caps=$((CAP_FACTS + CAP_BUILD + CAP_INFO + CAP_CUDA + CAP_MEMCHECK + CAP_RACECHECK + CAP_DEMO + CAP_KVB + CAP_PREFILL + CAP_ABSORBED + CAP_GATHER + CAP_ATTENTION + CAP_SPARSE + CAP_VLLM_SPARSE))"
   exit 0
 fi
 record total "" "$(elapsed)" "$DEADLINE" "$failures step(s) failed"

@@ -107,7 +107,7 @@ def test_plan_runs_every_step_and_publishes_the_results(mode):
                             "memcheck.test_kv_b_proj_marlin"]
         want += cuda + memcheck + ["racecheck"]
     want += ["demo", "bench_kv_b_proj", "bench_prefill", "bench_absorbed", "bench_cache", "bench_attention",
-             "bench_sparse"]
+             "bench_sparse", "bench_vllm_sparse"]
     assert steps == want
     final = [ln for ln in lines if "out_after" in ln][-1]["files"].split(",")
     assert set(final) == {"gpu_check.tar.gz", "summary.md", "kv_b_proj_crossovers.txt", "kv_b_proj.csv",
