@@ -4,7 +4,7 @@ mla_ext/vllm/sparse_plugin.py registers `MlaExtSparseMLABackend` under vLLM's CU
 and, on 8.x, under FLASHMLA_SPARSE.
 
 What is vLLM's and what is mla_ext's:
-* The backend class states what it serves: MLA, sparse; bf16 / fp16 models; kv caches
+* The backend class states what it serves: MLA, sparse; bf16 / fp16 (and fp32) models; kv caches
   "auto" (the model dtype), "bfloat16" and "fp8_ds_mla" (656-byte rows); block sizes that are
   multiples of 64 (the indexer's); head size 576 (512 latent + 64 rope) or 512 (NoPE); any
   compute capability from 8.0.
@@ -46,7 +46,7 @@ BLOCK_MULTIPLE = 64  # the indexer's cache insists on 64-token blocks
 
 
 class MlaExtSparseMLABackend(AttentionBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_CACHE_DTYPES)
 
     @staticmethod
