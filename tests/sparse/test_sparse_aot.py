@@ -55,6 +55,20 @@ for cc in (86, 90):
         build(TX._index_gather_kernel, dict(c_ptr="*u8" if fp8 else "*bf16", c32_ptr="*fp32", bt_ptr="*i32",
               cu_ptr="*i32", st_ptr="*i32", out_ptr="*fp32"), dict(D=128, Q=128, FP8=fp8, HAS_STARTS=True,
               BLOCK_T=32, BLOCK_D=128), cc, TX.GATHER_WARPS, 1)
+# The DSA indexer ops (DeepGEMM's MQA logits and vLLM's indexer q quantization on 8.x): sm_80 to sm_90.
+SMEM.update({80: 163 * 1024, 89: 99 * 1024})
+from mla_ext.sparse import triton_mqa_logits as TM, triton_indexer_quant as TQ
+for cc in (80, 86, 89, 90):
+    for H in (64, 128):
+        tiles = dict(H=H, D=128, BLOCK_H=H, BLOCK_N=TM.BLOCK_N, BLOCK_D=128)
+        build(TM._mqa_logits_kernel, dict(q_ptr="*u8", k_ptr="*u8", ksc_ptr="*fp32", w_ptr="*fp32", st_ptr="*i32",
+              en_ptr="*i32", out_ptr="*fp32"), tiles, cc, TM.warps(H), 1)
+        build(TM._paged_mqa_logits_kernel, dict(q_ptr="*u8", c_ptr="*u8", c32_ptr="*fp32", w_ptr="*fp32",
+              end_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32"), tiles, cc, TM.warps(H), 1)
+    for neox in (False, True):
+        build(TQ._q_rope_quant_kernel, dict(pos_ptr="*i64", q_ptr="*bf16", cs_ptr="*fp32", w_ptr="*bf16",
+              qo_ptr="*u8", wo_ptr="*fp32", softmax_scale="fp32", head_scale="fp32"),
+              dict(D=128, R=64, NEOX=neox, BLOCK_H=TQ.BLOCK_H, BLOCK_D=128), cc, TQ.WARPS, 1)
 print("AOT-OK")
 """
 
