@@ -11,7 +11,6 @@ pairs (i, i + R/2) when neox, (2i, 2i + 1) otherwise, each written back in its o
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from mla_ext.attention.triton_latent import _pad, interpreting
@@ -88,4 +87,4 @@ def q_rope_quant_triton(positions: Tensor, q: Tensor, cos_sin_cache: Tensor, wei
             positions, q, cos_sin_cache, weights, q_out, w_out, H, q.stride(0), q.stride(1), cos_sin_cache.stride(0),
             weights.stride(0), weights.stride(1), q_out.stride(0), q_out.stride(1), w_out.stride(0),
             float(softmax_scale), float(head_scale), D=D, R=cos_sin_cache.shape[-1], NEOX=bool(is_neox),
-            BLOCK_H=bh, BLOCK_D=_pad(D), num_warps=1 if interpreting() else WARPS)
+            BLOCK_H=bh, BLOCK_D=_pad(D), num_warps=1 if interpreting() else WARPS, num_stages=1)
