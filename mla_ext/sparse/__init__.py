@@ -11,5 +11,7 @@ topk.py                    chunked indexer scoring + running top-k in a bounded 
 triton_indexer.py          Triton scorer reading the paged index cache (merged by topk.py)
 sparse_attention.py        absorbed queries attend a per-query list of positions straight from the
                            paged latent cache (dispatcher: Triton, torch)
-triton_sparse.py           the Triton kernel (the absorbed kernel's loader: every cache format)
+slot_attention.py          the same over vLLM's flat physical top-k slots, token-major (the vLLM
+                           sparse backend's kernel hook; dispatcher: Triton flat-slot mode, torch)
+triton_sparse.py           the Triton kernels (the absorbed kernel's loader: every cache format)
 """

@@ -173,3 +173,43 @@ def sparse_latent_attention_reference(
             o_lat = torch.exp(s - lse[:, t, None]) @ kv[sel]  # [N, L]
             o[t] = torch.einsum("nl,nvl->nv", o_lat, w_uv)
     return o.to(torch.float32), lse.to(torch.float32)
+
+
+def sparse_latent_attention_slots_reference(
+    q_lat: Tensor,  # [T, H, L] absorbed queries
+    q_pe: Tensor,  # [T, H, R]
+    kv_cache: Tensor,  # [num_blocks, block_size, entry] in kv_cache_dtype
+    kv_cache_dtype: str,
+    slots: Tensor,  # int32 [T, K] flat physical slots, -1 = none
+    softmax_scale: float,
+    k_scale: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(o_lat [T, H, L] float32, lse [T, H] float32 natural log) of vLLM's sparse MLA kernel hook
+    (mla_ext/sparse/slot_attention.py): token t attends the cache rows slots[t], slot s being row
+    s of the cache viewed flat (block s // block_rows, offset s % block_rows, block_rows the
+    block stride in rows). A slot that names no row of the cache (negative, offset >= block_size,
+    block >= num_blocks) is no key; a token without a key gets o = 0, lse = -inf. Rows are
+    decoded as the cache holds them (decode_cache_rows), the math in float64."""
+    from mla_ext.cache.reference import decode_cache_rows
+
+    T, H, L = q_lat.shape
+    R = q_pe.shape[-1]
+    nb, B = kv_cache.shape[:2]
+    block_rows = kv_cache.stride(0) // kv_cache.stride(1)
+    cache = kv_cache.cpu()
+    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cache = cache.view(torch.uint8)
+    o = torch.zeros(T, H, L, dtype=torch.float64)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
+    for t in range(T):
+        s = [int(v) for v in slots[t].tolist()]
+        s = [v for v in s if v >= 0 and v % block_rows < B and v // block_rows < nb]
+        if not s:
+            continue
+        raw = torch.stack([cache[v // block_rows, v % block_rows] for v in s])
+        rows = decode_cache_rows(raw, kv_cache_dtype, k_scale).to(torch.float64)  # [k, L+R]
+        sc = (q_lat[t].cpu().to(torch.float64) @ rows[:, :L].t()
+              + q_pe[t].cpu().to(torch.float64) @ rows[:, L:L + R].t()) * softmax_scale  # [H, k]
+        lse[t] = torch.logsumexp(sc, dim=-1)
+        o[t] = torch.exp(sc - lse[t, :, None]) @ rows[:, :L]
+    return o.to(torch.float32), lse.to(torch.float32)

@@ -199,3 +199,9 @@ def backend_report(device=None) -> list[tuple[str, str, list[str]]]:
     x = SparseInputs(q, q.new_empty(1, 1, 64), q.new_empty(1, 16, 576), "auto", i32, i32, (1,), (0,),
                      q.new_empty(1, 512), q.new_empty(1, 64), None, 1.0)
     return [(SPARSE.op, b.name, b.not_supported_reasons(x)) for b in SPARSE.backends]
+
+
+# vLLM's flavour (physical slots, token-major): mla_ext/sparse/slot_attention.py.
+from mla_ext.sparse.slot_attention import (  # noqa: E402,F401  (re-export)
+    SPARSE_SLOTS, sparse_latent_attention_slots,
+)

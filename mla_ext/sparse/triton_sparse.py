@@ -55,17 +55,11 @@ if triton is not None:
 
         cols = tl.arange(0, BLOCK_L)
         l_mask = cols < L
-        q = tl.load(ql_ptr + t * ql_st + heads[:, None] * ql_sh + cols[None, :],
-                    mask=h_mask[:, None] & l_mask[None, :], other=0.0)
-        if not LOWP_DOT:
-            q = q.to(tl.float32)
+        q, qp = _load_queries(ql_ptr, qp_ptr, t, heads, h_mask, ql_st, ql_sh, qp_st, qp_sh, L, R, LOWP_DOT, BLOCK_L,
+                              BLOCK_R)
         if BLOCK_R > 0:
             rc = tl.arange(0, BLOCK_R)
             rc_mask = rc < R
-            qp = tl.load(qp_ptr + t * qp_st + heads[:, None] * qp_sh + rc[None, :],
-                         mask=h_mask[:, None] & rc_mask[None, :], other=0.0)
-            if not LOWP_DOT:
-                qp = qp.to(tl.float32)
         k_scale = load_k_scale(ks_ptr, MODE)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -96,10 +90,78 @@ if triton is not None:
             m_i, l_i, acc = latent_softmax_step(q, qp, kv, pe, valid, qk_scale_log2, m_i, l_i, acc, LOWP_DOT,
                                                 IEEE_FP32, BLOCK_R)
 
+        _store_outputs(o_ptr + t * o_st, lse_ptr + t, heads, h_mask, o_sh, lse_sh, acc, m_i, l_i, L, BLOCK_L)
+
+    @triton.jit
+    def _load_queries(ql_ptr, qp_ptr, t, heads, h_mask, ql_st, ql_sh, qp_st, qp_sh, L: tl.constexpr,
+                      R: tl.constexpr, LOWP_DOT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Token t's [q_lat | q_pe] rows of BLOCK_H heads (fp32 unless LOWP_DOT: the interpreter's
+        bf16 arithmetic is wrong); qp is q, unused, when BLOCK_R == 0."""
+        cols = tl.arange(0, BLOCK_L)
+        q = tl.load(ql_ptr + t * ql_st + heads[:, None] * ql_sh + cols[None, :],
+                    mask=h_mask[:, None] & (cols < L)[None, :], other=0.0)
+        if not LOWP_DOT:
+            q = q.to(tl.float32)
+        qp = q
+        if BLOCK_R > 0:
+            rc = tl.arange(0, BLOCK_R)
+            qp = tl.load(qp_ptr + t * qp_st + heads[:, None] * qp_sh + rc[None, :],
+                         mask=h_mask[:, None] & (rc < R)[None, :], other=0.0)
+            if not LOWP_DOT:
+                qp = qp.to(tl.float32)
+        return q, qp
+
+    @triton.jit
+    def _store_outputs(o_row, lse_row, heads, h_mask, o_sh, lse_sh, acc, m_i, l_i, L: tl.constexpr,
+                       BLOCK_L: tl.constexpr):
+        """o (in o_row's dtype) and the natural-log lse of BLOCK_H heads; a head without a key:
+        o = 0, lse = -inf."""
+        cols = tl.arange(0, BLOCK_L)
         o, lse = latent_softmax_finish(acc, m_i, l_i)
-        tl.store(o_ptr + t * o_st + heads[:, None] * o_sh + cols[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=h_mask[:, None] & l_mask[None, :])
-        tl.store(lse_ptr + heads * lse_sh + t, lse, mask=h_mask)
+        tl.store(o_row + heads[:, None] * o_sh + cols[None, :], o.to(o_row.dtype.element_ty),
+                 mask=h_mask[:, None] & (cols < L)[None, :])
+        tl.store(lse_row + heads * lse_sh, lse, mask=h_mask)
+
+    # Flat-slot mode (vLLM's sparse MLA: mla_ext/sparse/slot_attention.py). Slot s is row s of the
+    # cache viewed flat (vLLM's flat_kv_row_view: block s // block_rows, offset s % block_rows, with
+    # block_rows = the block stride in rows); -1, an offset past block_size (rows between this
+    # layer's blocks) and a block past num_blocks are no key, never read. Program (t, head block,
+    # split): split `sp` walks slots [sp * split_len, (sp + 1) * split_len) of token t.
+    # batch-varying: no re-compile
+    @triton.jit(do_not_specialize=["K", "num_blocks", "split_len", "H"])
+    def _slot_latent_kernel(
+        ql_ptr, qp_ptr, c_ptr, c32_ptr, c16_ptr, sl_ptr, ks_ptr, o_ptr, lse_ptr,
+        qk_scale_log2, H, K, num_blocks, block_size, block_rows, split_len,
+        ql_st, ql_sh, qp_st, qp_sh, c_ent, sl_st, o_ss, o_st, o_sh, lse_ss, lse_st, lse_sh,
+        L: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LOWP_DOT: tl.constexpr, IEEE_FP32: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = heads < H
+        heads = heads.to(tl.int64)
+        sp = tl.program_id(2).to(tl.int64)
+        q, qp = _load_queries(ql_ptr, qp_ptr, t, heads, h_mask, ql_st, ql_sh, qp_st, qp_sh, L, R, LOWP_DOT, BLOCK_L,
+                              BLOCK_R)
+        k_scale = load_k_scale(ks_ptr, MODE)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        k_lo = sp * split_len
+        k_hi = tl.minimum(K, k_lo + split_len)
+        for j0 in range(k_lo, k_hi, BLOCK_N):
+            j = j0 + offs_n
+            s = tl.load(sl_ptr + t * sl_st + j, mask=j < k_hi, other=-1).to(tl.int64)
+            blk = s // block_rows
+            ok = (s >= 0) & (s - blk * block_rows < block_size) & (blk < num_blocks)
+            row = tl.where(ok, s, 0) * c_ent  # the flat row: block stride = block_rows rows
+            kv, pe = load_latent_rows(c_ptr, c32_ptr, c16_ptr, row, ok, k_scale, L, R, MODE, BLOCK_N, BLOCK_L,
+                                      BLOCK_R)
+            m_i, l_i, acc = latent_softmax_step(q, qp, kv, pe, ok, qk_scale_log2, m_i, l_i, acc, LOWP_DOT,
+                                                IEEE_FP32, BLOCK_R)
+        _store_outputs(o_ptr + sp * o_ss + t * o_st, lse_ptr + sp * lse_ss + t * lse_st, heads, h_mask, o_sh, lse_sh,
+                       acc, m_i, l_i, L, BLOCK_L)
 
 
 # GPU tiles (BLOCK_H, BLOCK_N, num_warps, num_stages), from ptxas -v at L = 512, R = 64 (triton 3.8;
@@ -155,3 +217,61 @@ def sparse_latent_attention_triton(q_lat, q_pe, kv_cache, kv_cache_dtype, block_
             L=L, R=R, MODE=mode, LOWP_DOT=lowp, IEEE_FP32=q_lat.dtype == torch.float32,
             BLOCK_H=bh, BLOCK_N=bn, BLOCK_L=TL._pad(L), BLOCK_R=TL._pad(R), num_warps=warps, num_stages=stages,
         )
+
+
+def slot_split_len(K: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, split_len) for `splits` requested over K slots: whole BLOCK_N tiles per split."""
+    split_len = -(-max(K, 1) // max(splits, 1))
+    split_len = -(-split_len // block_n) * block_n
+    return -(-max(K, 1) // split_len), split_len
+
+
+def slot_attention_triton(q_lat, q_pe, cache, kv_cache_dtype, slots, block_rows, k_scale, softmax_scale, out, lse,
+                          splits: int | None = None) -> None:
+    """Fills out [T, H, L] and lse [T, H] (arguments checked by mla_ext.sparse.slot_attention;
+    `cache` a uint8 / native view, block_rows its block stride in rows). Split-K when the grid
+    of (token, head block) programs would leave the GPU idle (few decode tokens): each split
+    writes a normalised fp32 partial and its lse, merged by LSE here (host numbers only: the
+    same launches for a shape, so a CUDA graph replays them)."""
+    T, H, L = q_lat.shape
+    R = q_pe.shape[-1]
+    K = slots.shape[1]
+    if T == 0 or H == 0:
+        return
+    mode = TL.cache_mode(kv_cache_dtype)
+    c32 = cache.view(torch.float32) if mode == TL.MODE_DS_MLA else cache
+    c16 = cache.view(torch.bfloat16) if mode == TL.MODE_DS_MLA else cache
+    scale_t = k_scale.to(torch.float32).reshape(-1) if mode in (TL.MODE_E4M3, TL.MODE_E5M2) else lse
+    bh, bn, warps, stages = launch_config(H, q_lat.dtype, q_lat.device, mode)
+    programs = T * triton.cdiv(H, bh)
+    if splits is None:
+        n_split, split_len = TL.num_splits(programs, K, q_lat.device, bn)
+    else:
+        n_split, split_len = slot_split_len(K, splits, bn)
+    if n_split > 1:
+        o_part = torch.empty(n_split, T, H, L, dtype=torch.float32, device=q_lat.device)
+        lse_part = torch.empty(n_split, T, H, dtype=torch.float32, device=q_lat.device)
+    else:
+        o_part, lse_part = out.unsqueeze(0), lse.unsqueeze(0)
+    lowp = (not TL.interpreting()) and q_lat.dtype in (torch.bfloat16, torch.float16)
+    with launch_guard(q_lat):
+        _slot_latent_kernel[(T, triton.cdiv(H, bh), n_split)](
+            q_lat, q_pe, cache, c32, c16, slots, scale_t, o_part, lse_part,
+            softmax_scale * LOG2E, H, K, cache.shape[0], cache.shape[1], block_rows, split_len,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(1), slots.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+            lse_part.stride(2),
+            L=L, R=R, MODE=mode, LOWP_DOT=lowp, IEEE_FP32=q_lat.dtype == torch.float32,
+            BLOCK_H=bh, BLOCK_N=bn, BLOCK_L=TL._pad(L), BLOCK_R=TL._pad(R), num_warps=warps, num_stages=stages,
+        )
+    if n_split > 1:
+        merge_splits(o_part, lse_part, out, lse)
+
+
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s (natural log); a row no split saw a
+    key in stays o = 0, lse = -inf."""
+    total = torch.logsumexp(lse_part, dim=0)
+    w = torch.exp(lse_part - torch.where(torch.isinf(total), 0.0, total))  # 0 for a split without keys
+    out.copy_(torch.einsum("sth,sthl->thl", w, o_part))
+    lse.copy_(total)
