@@ -9,11 +9,29 @@ indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, kv_cache_
 cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
     The raw e4m3 bytes dst_k uint8 [T, D] and the scales as bytes dst_scale uint8 [T, 4*D/Q] of
     tokens 0.. of every request (rows cu_seq_lens[r] ..).
+
+The DSA indexer's top-k over its logits (vLLM _C's names and arguments; mla_ext.sparse.topk_per_row):
+
+top_k_per_row_prefill(logits, cu_seqlen_ks, cu_seqlen_ke, raw_topk_indices, num_rows, stride0, stride1,
+                      topk_tokens)
+    Row m of logits [>= num_rows, W] fp32 selects the topk_tokens largest columns of
+    [cu_seqlen_ks[m], cu_seqlen_ke[m]) and writes them, relative to cu_seqlen_ks[m], into
+    raw_topk_indices[m, :topk_tokens] (int32, written in place through its strides), -1 padded.
+top_k_per_row_decode(logits, next_n, seq_lens, raw_topk_indices, num_rows, stride0, stride1, topk_tokens)
+    As prefill with row starts 0 and row ends from seq_lens: [B, next_n] per row, [B, 1] / [B] per
+    request (row j of its next_n sees L - next_n + j + 1 columns).
+persistent_topk(logits, lengths, output, workspace, k, max_seq_len)
+    vLLM's decode top-k for topk 512/1024/2048 (vllm/model_executor/layers/indexer_topk.py calls
+    torch.ops._C.persistent_topk): row r selects among columns [0, lengths.view(-1)[r]); the
+    workspace and max_seq_len (vLLM's launch tuning) are not needed here and are not touched.
+vLLM's kernels state no order among the selected indices nor which of tied scores is chosen; these
+order by score with the library's tie rule (higher score, then lower column).
 """
 from torch import Tensor
 import torch
 
 from mla_ext.sparse import index_cache as ic
+from mla_ext.sparse.topk_per_row import decode_row_ends, top_k_per_row
 
 NAMESPACE = "mla_ext_vllm"
 PLAIN_SCALES = ("", "fp8", "fp8_e4m3", "auto", "fp32")
@@ -88,4 +106,94 @@ def _(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
     _check_gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
 
 
-OPS = (indexer_k_quant_and_cache, cp_gather_indexer_k_quant_cache)
+def _check_topk(logits, out, num_rows, stride0, stride1, topk_tokens, row_args) -> None:
+    _check(logits.dim() == 2 and logits.dtype == torch.float32,
+           f"logits: expected a 2-D float32 tensor, got {logits.dtype} {tuple(logits.shape)}")
+    _check(isinstance(num_rows, int) and 0 <= num_rows <= logits.shape[0],
+           f"num_rows: expected an int in [0, {logits.shape[0]}] (logits' rows), got {num_rows!r}")
+    _check((stride0, stride1) == tuple(logits.stride()) or num_rows == 0,
+           f"stride0 / stride1: expected logits' strides {tuple(logits.stride())}, got ({stride0}, {stride1})")
+    _check(isinstance(topk_tokens, int) and topk_tokens > 0,
+           f"topk_tokens: expected a positive int, got {topk_tokens!r}")
+    _check(out.dim() == 2 and out.dtype == torch.int32 and out.shape[0] >= num_rows and out.shape[1] >= topk_tokens,
+           f"raw_topk_indices: expected int32 [>= {num_rows}, >= {topk_tokens}], got {out.dtype} "
+           f"{tuple(out.shape)}")
+    for name, t in row_args:
+        _check(t.dtype in (torch.int32, torch.int64), f"{name}: expected an int32 tensor, got {t.dtype}")
+        _check(t.device == logits.device, f"{name}: on {t.device}, expected logits' device {logits.device}")
+    _check(out.device == logits.device, f"raw_topk_indices: on {out.device}, expected logits' device {logits.device}")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::top_k_per_row_prefill", mutates_args=("raw_topk_indices",))
+def _top_k_per_row_prefill_op(logits: Tensor, cu_seqlen_ks: Tensor, cu_seqlen_ke: Tensor, raw_topk_indices: Tensor,
+                          num_rows: int, stride0: int, stride1: int, topk_tokens: int) -> None:
+    _check_topk(logits, raw_topk_indices, num_rows, stride0, stride1, topk_tokens,
+                (("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)))
+    _check(cu_seqlen_ks.numel() >= num_rows and cu_seqlen_ke.numel() >= num_rows,
+           f"cu_seqlen_ks / cu_seqlen_ke: expected >= {num_rows} entries, got {cu_seqlen_ks.numel()} / "
+           f"{cu_seqlen_ke.numel()}")
+    top_k_per_row(logits[:num_rows], cu_seqlen_ks.reshape(-1)[:num_rows], cu_seqlen_ke.reshape(-1)[:num_rows],
+                  raw_topk_indices[:num_rows, :topk_tokens])
+
+
+@_top_k_per_row_prefill_op.register_fake
+def _(logits, cu_seqlen_ks, cu_seqlen_ke, raw_topk_indices, num_rows, stride0, stride1, topk_tokens):
+    _check_topk(logits, raw_topk_indices, num_rows, stride0, stride1, topk_tokens,
+                (("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::top_k_per_row_decode", mutates_args=("raw_topk_indices",))
+def _top_k_per_row_decode_op(logits: Tensor, next_n: int, seq_lens: Tensor, raw_topk_indices: Tensor, num_rows: int,
+                         stride0: int, stride1: int, topk_tokens: int) -> None:
+    _check_topk(logits, raw_topk_indices, num_rows, stride0, stride1, topk_tokens, (("seq_lens", seq_lens),))
+    _check(isinstance(next_n, int) and next_n >= 1, f"next_n: expected a positive int, got {next_n!r}")
+    top_k_per_row(logits[:num_rows], None, decode_row_ends(seq_lens, next_n, num_rows),
+                  raw_topk_indices[:num_rows, :topk_tokens])
+
+
+@_top_k_per_row_decode_op.register_fake
+def _(logits, next_n, seq_lens, raw_topk_indices, num_rows, stride0, stride1, topk_tokens):
+    _check_topk(logits, raw_topk_indices, num_rows, stride0, stride1, topk_tokens, (("seq_lens", seq_lens),))
+
+
+def _check_persistent(logits, lengths, output, k) -> None:
+    _check(logits.dim() == 2, f"logits: expected [rows, columns], got {tuple(logits.shape)}")
+    _check_topk(logits, output, logits.shape[0] if logits.dim() == 2 else 0, *logits.stride()[:2], k,
+                (("lengths", lengths),))
+    _check(lengths.dim() in (1, 2) and lengths.numel() == logits.shape[0],
+           f"lengths: expected one entry per logits row ({logits.shape[0]}), [rows] or [B, next_n], got "
+           f"{tuple(lengths.shape)}")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::persistent_topk", mutates_args=("output", "workspace"))
+def _persistent_topk_op(logits: Tensor, lengths: Tensor, output: Tensor, workspace: Tensor, k: int,
+                    max_seq_len: int) -> None:
+    _check_persistent(logits, lengths, output, k)
+    top_k_per_row(logits, None, decode_row_ends(lengths, 1, logits.shape[0]), output[:, :k])
+
+
+@_persistent_topk_op.register_fake
+def _(logits, lengths, output, workspace, k, max_seq_len):
+    _check_persistent(logits, lengths, output, k)
+
+
+# vLLM's routes bind these plain functions (named as vLLM's, so a routed name reads as mla_ext's);
+# each runs its torch op (the custom ops above, opaque to torch.compile with their fake kernels).
+def top_k_per_row_prefill(logits: Tensor, cu_seqlen_ks: Tensor, cu_seqlen_ke: Tensor, raw_topk_indices: Tensor,
+                          num_rows: int, stride0: int, stride1: int, topk_tokens: int) -> None:
+    _top_k_per_row_prefill_op(logits, cu_seqlen_ks, cu_seqlen_ke, raw_topk_indices, num_rows, stride0, stride1,
+                              topk_tokens)
+
+
+def top_k_per_row_decode(logits: Tensor, next_n: int, seq_lens: Tensor, raw_topk_indices: Tensor, num_rows: int,
+                         stride0: int, stride1: int, topk_tokens: int) -> None:
+    _top_k_per_row_decode_op(logits, next_n, seq_lens, raw_topk_indices, num_rows, stride0, stride1, topk_tokens)
+
+
+def persistent_topk(logits: Tensor, lengths: Tensor, output: Tensor, workspace: Tensor, k: int,
+                    max_seq_len: int) -> None:
+    _persistent_topk_op(logits, lengths, output, workspace, k, max_seq_len)
+
+
+OPS = (indexer_k_quant_and_cache, cp_gather_indexer_k_quant_cache, _top_k_per_row_prefill_op,
+       _top_k_per_row_decode_op, _persistent_topk_op)
