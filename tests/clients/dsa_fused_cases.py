@@ -1,0 +1,104 @@
+"""Seeded inputs for vLLM 0.33's DeepSeek-V3.2 fused_norm_rope / fused_q and mla_ext's
+(mla_ext/vllm/dsa_model_ops.py): the same case rebuilt from its name gives identical tensors
+(views, strides and poisoned outputs included), so vLLM's kernels (in a subprocess, the Triton
+interpreter) and mla_ext's ops each get a fresh copy."""
+from __future__ import annotations
+
+import torch
+
+T = 6  # tokens
+Q_DIM, KV_DIM, ROPE, IDX_DIM = 96, 512, 64, 128  # q_lora (not a power of two: vLLM's masked path)
+MAX_POS = 40
+NUM_BLOCKS = 3
+POISON_TOPK = 7
+
+# name: (dtype, mla cache dtype, has_indexer, interleave, own outputs, caches, block_size, shuffled, cos dtype)
+NORM_ROPE_CASES = {
+    "bf16-auto-neox": (torch.bfloat16, "auto", True, False, "kv", True, 4, False, torch.float32),
+    "bf16-ds_mla-interleave": (torch.bfloat16, "fp8_ds_mla", True, True, "all", True, 4, False, torch.bfloat16),
+    "fp32-fp8-shuffled": (torch.float32, "fp8", True, False, "kv", True, 16, True, torch.float32),
+    "bf16-fp8-skipscale": (torch.bfloat16, "fp8", True, True, "none", True, 4, False, torch.float32),
+    "bf16-shared-layer": (torch.bfloat16, "bfloat16", False, False, "kv", True, 4, False, torch.float32),
+    "bf16-no-caches": (torch.bfloat16, "auto", True, False, "all", False, 4, False, torch.float32),
+}
+# name: (dtype, heads, index heads, has_indexer, interleave, quantize_mqa, q_scale)
+Q_CASES = {
+    "bf16-fp8q-neox": (torch.bfloat16, 4, 4, True, False, True, 0.25),
+    "bf16-bf16q-interleave": (torch.bfloat16, 3, 4, True, True, False, 1.0),
+    "fp32-fp8q-shared": (torch.float32, 5, 2, False, False, True, 0.5),
+    "fp32-fp8q-indexer": (torch.float32, 2, 3, True, True, True, 2.0),
+}
+L_NOPE = 64  # ql_nope width in the fused_q tests (512 in DeepSeek-V3.2; any width is served)
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _cos_sin(g, dtype):
+    ang = torch.rand(MAX_POS, ROPE // 2, generator=g) * 6.0
+    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(dtype)
+
+
+def _poisoned(g, shape, dtype):
+    """Random bytes viewed as `dtype` (never zeros); bf16/fp32 bytes may be NaN patterns."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).view(shape)
+
+
+def mla_entry(cache_dtype: str) -> int:
+    return 656 if cache_dtype == "fp8_ds_mla" else KV_DIM + ROPE
+
+
+def norm_rope_case(name: str):
+    """(args, kwargs) of fused_norm_rope for case `name`."""
+    dtype, cdt, has_idx, inter, outs, caches, B, shuffled, cos_dtype = NORM_ROPE_CASES[name]
+    g = _g(sum(map(ord, name)))
+    positions = torch.randint(0, MAX_POS, (T,), generator=g)
+    qkv = torch.randn(T, Q_DIM + KV_DIM + ROPE, generator=g).to(dtype) * 2
+    q_c, kv_c, k_pe = qkv.split([Q_DIM, KV_DIM, ROPE], dim=-1)  # strided views, as vLLM's
+    kw = (torch.randn(T, IDX_DIM + 8, generator=g) * 3 + 0.5).to(dtype)
+    index_k = kw[:, :IDX_DIM]
+    q_w, kv_w = (torch.rand(Q_DIM, generator=g) + 0.5).to(dtype), (torch.rand(KV_DIM, generator=g) + 0.5).to(dtype)
+    ik_w, ik_b = torch.rand(IDX_DIM, generator=g) + 0.5, torch.randn(IDX_DIM, generator=g) * 0.1
+    k_cs, i_cs = _cos_sin(g, cos_dtype), _cos_sin(g, cos_dtype)
+    topk = torch.full((T + 2, 20), POISON_TOPK, dtype=torch.int32)
+    nslots = NUM_BLOCKS * B
+    slots = torch.randperm(nslots, generator=g)[:T]
+    slots[2] = -1  # padding token
+    islots = torch.randperm(nslots, generator=g)[:T]
+    islots[2] = -1
+    kwargs = dict(has_indexer=has_idx, index_rope_interleave=inter, mla_kv_cache_dtype=cdt)
+    if caches:
+        mla_dtype = dtype if cdt in ("auto", "bfloat16") else torch.uint8
+        kwargs.update(
+            slot_mapping=slots, indexer_slot_mapping=islots if name.startswith("bf16-ds") else None,
+            indexer_k_cache=_poisoned(g, (NUM_BLOCKS, B, IDX_DIM + 4), torch.uint8),
+            indexer_cache_shuffled=shuffled,
+            mla_kv_cache=_poisoned(g, (NUM_BLOCKS, B, mla_entry(cdt)), mla_dtype),
+            mla_k_scale=torch.tensor(0.01 if cdt == "fp8" else 1.0),  # 0.01: some values saturate
+            skip_scale=name.endswith("skipscale"))
+    if outs in ("kv", "all"):
+        kwargs.update(kv_c_out=torch.full_like(kv_c, float("nan")), k_pe_out=torch.full_like(k_pe, float("nan")))
+    if outs == "all":
+        kwargs.update(index_k_out=torch.full(index_k.shape, float("nan"), dtype=dtype),
+                      q_c_out=torch.full(q_c.shape, float("nan"), dtype=dtype))
+    args = [positions, q_c, q_w, 1e-6, kv_c, kv_w, 1e-6, k_pe, k_cs, index_k if has_idx else None,
+            ik_w if has_idx else None, ik_b if has_idx else None, 1e-6, i_cs if has_idx else None, topk]
+    return args, kwargs
+
+
+def q_case(name: str):
+    """(args, kwargs) of fused_q for case `name`."""
+    dtype, H, NI, has_idx, inter, quant, q_scale = Q_CASES[name]
+    g = _g(sum(map(ord, name)) + 1)
+    positions = torch.randint(0, MAX_POS, (T,), generator=g)
+    q = torch.randn(T, H, 32 + ROPE, generator=g).to(dtype)
+    q_pe = q[..., 32:]  # a strided view, as vLLM's q.split
+    ql_nope = (torch.randn(H, T, L_NOPE, generator=g) * 60).to(dtype).transpose(0, 1)  # bmm(...).transpose
+    index_q = (torch.randn(T, NI, IDX_DIM, generator=g) * torch.rand(T, NI, 1, generator=g) * 4).to(dtype)
+    w_full = torch.randn(T, IDX_DIM + NI, generator=g).to(dtype)
+    args = [positions, q_pe, _cos_sin(g, torch.float32), index_q if has_idx else None,
+            _cos_sin(g, torch.float32) if has_idx else None, ql_nope, torch.tensor([q_scale]),
+            w_full[:, IDX_DIM:] if has_idx else None, IDX_DIM ** -0.5, NI ** -0.5]
+    return args, dict(has_indexer=has_idx, index_rope_interleave=inter, quantize_mqa=quant)
