@@ -179,8 +179,10 @@ def setup_vllm(tmp: str):
 def tiny_transformers(family: str, topk: int, dtype: torch.dtype, seed: int = 0):
     from helpers.sparse import tiny_model
 
+    # rms_norm_eps 1e-6: transformers' GLM-5 (glm_moe_dsa) q_a / kv_a RMSNorms use their default 1e-6
+    # whatever the config says (1e-5 by default) while vLLM uses config.rms_norm_eps: equal here.
     return tiny_model(family, topk=topk, seed=seed, dtype=dtype, L=512, R=64, P=32, V=32, heads=2,
-                      index_heads=4, index_dim=128, max_position_embeddings=MAX_LEN)
+                      index_heads=4, index_dim=128, max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6)
 
 
 def vllm_config_for(model, tmp: str, kv_cache_dtype: str, dtype: torch.dtype, backend: str | None = None):
