@@ -46,7 +46,7 @@ BLOCK_MULTIPLE = 64  # the indexer's cache insists on 64-token blocks
 
 
 class MlaExtSparseMLABackend(AttentionBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_CACHE_DTYPES)
 
     @staticmethod

@@ -176,13 +176,20 @@ def setup_vllm(tmp: str):
 # configs
 
 
-def tiny_transformers(family: str, topk: int, dtype: torch.dtype, seed: int = 0):
+SEEDS = {"deepseek_v32": 0, "glm_moe_dsa": 1}
+
+
+def tiny_transformers(family: str, topk: int, dtype: torch.dtype):
     from helpers.sparse import tiny_model
 
+    # GLM-5's checkpoints say indexer_rope_interleave=true (transformers' GLM indexer is always
+    # interleaved; its config class does not keep the key), and vLLM reads it from the config.
+    extra = {"indexer_rope_interleave": True} if family == "glm_moe_dsa" else {}
+    seed = SEEDS[family]
     # rms_norm_eps 1e-6: transformers' GLM-5 (glm_moe_dsa) q_a / kv_a RMSNorms use their default 1e-6
     # whatever the config says (1e-5 by default) while vLLM uses config.rms_norm_eps: equal here.
     return tiny_model(family, topk=topk, seed=seed, dtype=dtype, L=512, R=64, P=32, V=32, heads=2,
-                      index_heads=4, index_dim=128, max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6)
+                      index_heads=4, index_dim=128, max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6, **extra)
 
 
 def vllm_config_for(model, tmp: str, kv_cache_dtype: str, dtype: torch.dtype, backend: str | None = None):
@@ -397,13 +404,12 @@ def transformers_steps(model, hidden, chunks, mode, sel=None, fed_kv=None):
     attn = model.layers[0].self_attn
     rotary = model.rotary_emb
     cache = DynamicCache(config=model.config)
-    n_total = sum(chunks)
     state = {"start": 0}
 
     def replace_selection(mod, args, kwargs, output):
         s, q = state["start"], output.shape[1]
         if mode == "dense":
-            want = torch.arange(n_total, dtype=torch.int32).expand(q, n_total)
+            want = torch.arange(s + q, dtype=torch.int32).expand(q, s + q)  # the causal mask limits it
         else:
             want = sel[s:s + q].clone()
             first = want[:, :1].clamp_min(0)
@@ -439,8 +445,8 @@ def transformers_steps(model, hidden, chunks, mode, sel=None, fed_kv=None):
                 pos = torch.arange(s, s + q).unsqueeze(0)
                 pe = rotary(x, pos)
                 mask = causal_mask(s, q, x.dtype)
-                out, _ = attn(hidden_states=x, position_embeddings=pe, attention_mask=mask, past_key_values=cache,
-                              position_ids=pos)
+                out = attn(hidden_states=x, position_embeddings=pe, attention_mask=mask, past_key_values=cache,
+                           position_ids=pos)[0]  # (output, weights[, ...]): GLM-5's returns more
                 outs.append(out[0].float())
                 state["start"] += q
     finally:
@@ -480,12 +486,13 @@ def index_scores(q8, w, keys, start: int = 0) -> torch.Tensor:
     return sc.masked_fill(torch.arange(keys.shape[0]).unsqueeze(0) > t, float("-inf"))
 
 
-def compare_case(family, fmt, dtype, tmp, topk=TOPK, seed=0) -> dict:
+def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
     from helpers.sparse import tie_equivalent
     from vllm.config import set_current_vllm_config
 
     t0 = time.perf_counter()
-    model = tiny_transformers(family, topk, dtype, seed)
+    model = tiny_transformers(family, topk, dtype)
+    seed = SEEDS[family]
     config = vllm_config_for(model, tmp, fmt, dtype)
     with set_current_vllm_config(config):
         layer, topk_buffer = build_layer(model, config)
@@ -527,7 +534,9 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK, seed=0) -> dict:
         fed_kv = cache_rows(layer, block_table, r, n, fmt) if fmt != "auto" else None
         own, own_sel = transformers_steps(model, hidden[r], chunks, "own", fed_kv=fed_kv)
         fed, _ = transformers_steps(model, hidden[r], chunks, "fed", sel=v["sel"], fed_kv=fed_kv)
-        own_sel = torch.cat(own_sel)
+        dense = transformers_steps(model, hidden[r], chunks, "dense", fed_kv=fed_kv)[0] if topk >= n else None
+        width = max(x.shape[1] for x in own_sel)  # min(index_topk, keys so far) per chunk
+        own_sel = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1) for x in own_sel])
         scores = index_scores(v["q8"], v["w"], index_keys(layer, block_table, r, n))
         visible = torch.tensor([min(topk, t + 1) for t in range(n)])
         ref_sel = scores.topk(min(topk, n), dim=-1).indices
@@ -535,7 +544,7 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK, seed=0) -> dict:
         exact = sum({int(i) for i in v["sel"][t] if i >= 0} == {int(i) for i in ref_sel[t][:visible[t]]}
                     for t in range(n))
         same_tf = [t for t in range(n) if {int(i) for i in v["sel"][t] if i >= 0}
-                   == {int(i) for i in own_sel[t] if i <= t}]
+                   == {int(i) for i in own_sel[t] if 0 <= i <= t}]
         # the fp32 cache: its own latents equal what fed would feed (a check of the feeding itself)
         reqs.append({
             "tokens": n, "dropped_rows": int((torch.arange(n) + 1 > topk).sum()),
@@ -546,20 +555,17 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK, seed=0) -> dict:
             "max_err_fed": float((v["out"] - fed).abs().max()),
             "max_ref_fed": float(fed.abs().max()),
             "max_err_own_same_rows": float((v["out"][same_tf] - own[same_tf]).abs().max()) if same_tf else None,
+            "max_err_dense": None if dense is None else float((v["out"] - dense).abs().max()),
         })
     rec["requests"] = reqs
     rec["seconds"] = round(time.perf_counter() - t0, 1)
     return rec
 
 
-def dense_case(family, fmt, dtype, tmp, seed=1) -> dict:
-    """index_topk >= every sequence: nothing dropped, vLLM's sparse layer equals dense attention."""
-    rec = compare_case(family, fmt, dtype, tmp, topk=256, seed=seed)
-    return rec
-
-
-CASES = [("deepseek_v32", "auto"), ("glm_moe_dsa", "auto"), ("deepseek_v32", "fp8_ds_mla"),
-         ("glm_moe_dsa", "fp8_ds_mla")]
+# (family, kv cache dtype, index_topk): 128 drops tokens (sequences of 152 and 201); 256 drops none
+# (the layer must then equal dense attention).
+CASES = [("deepseek_v32", "auto", TOPK), ("glm_moe_dsa", "auto", TOPK), ("deepseek_v32", "fp8_ds_mla", TOPK),
+         ("glm_moe_dsa", "fp8_ds_mla", TOPK), ("deepseek_v32", "auto", 256), ("glm_moe_dsa", "fp8_ds_mla", 256)]
 
 
 def main() -> None:
@@ -573,13 +579,13 @@ def main() -> None:
             if only and family not in only:
                 continue
             result["selection"][family] = selection(tiny_transformers(family, TOPK, torch.float32), tmp)
-        for family, fmt in CASES:
-            if only and f"{family}:{fmt}" not in only:
+        for family, fmt, topk in CASES:
+            if only and f"{family}:{fmt}:{topk}" not in only:
                 continue
             try:
-                result["cases"].append(compare_case(family, fmt, torch.float32, tmp))
+                result["cases"].append(compare_case(family, fmt, torch.float32, tmp, topk))
             except Exception as exc:  # noqa: BLE001 -- reported per case
-                result["cases"].append({"family": family, "kv_cache_dtype": fmt, "error": f"{type(exc).__name__}: {exc}",
+                result["cases"].append({"family": family, "kv_cache_dtype": fmt, "topk": topk, "error": f"{type(exc).__name__}: {exc}",
                                         "traceback": traceback.format_exc()[-4000:]})
         result["routed"] = sorted(sparse_plugin.routed())
     print(json.dumps(result))
