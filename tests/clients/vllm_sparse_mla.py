@@ -241,8 +241,11 @@ def build_layer(model, config):
     from vllm.v1.attention.backends.mla.index_group import (SparseMLAIndexGroupBuilder,
                                                             get_sparse_mla_index_group_max_rows)
 
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
     hf = config.model_config.hf_config
-    with set_current_vllm_config(config):
+    # vLLM's model loader builds the model under the model dtype as torch's default
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
         topk_buffer = torch.empty(config.scheduler_config.max_num_batched_tokens, hf.index_topk, dtype=torch.int32)
         group = SparseMLAIndexGroupBuilder(topk_buffer, get_sparse_mla_index_group_max_rows(config))
         layer = DeepseekV32Attention(config, hf, prefix="model.layers.0.self_attn", topk_indices_buffer=topk_buffer,
@@ -365,13 +368,14 @@ def run_vllm(layer, topk_buffer, config, builders, hidden_per_req, block_table):
 
 
 def cache_rows(layer, block_table, r, n, fmt):
-    """Request r's first n MLA cache rows, dequantised: kv_c [n, L], k_pe [n, R] (float32)."""
+    """Request r's first n MLA cache rows as the cache holds them: kv_c [n, L], k_pe [n, R]
+    (float32; fp8_ds_mla dequantised)."""
     from mla_ext.cache.reference import decode_cache_rows
 
     p = torch.arange(n)
     flat = layer.kv_cache.reshape(-1, layer.kv_cache.shape[-1])
     rows = flat[block_table[r, p // BLOCK].long() * BLOCK + p % BLOCK]
-    dec = decode_cache_rows(rows, fmt).float()
+    dec = rows.float() if fmt == "auto" else decode_cache_rows(rows, fmt).float()
     return dec[:, :layer.kv_lora_rank], dec[:, layer.kv_lora_rank:]
 
 
@@ -487,11 +491,17 @@ def index_scores(q8, w, keys, start: int = 0) -> torch.Tensor:
 
 
 def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
+    """One model through vLLM's layer (three steps) and through transformers' module. A bf16
+    model's reference is the same module in fp32 (its bf16 weights upcast) fed the bf16 inputs."""
+    import copy
+
+    from helpers.numeric import rel_fro
     from helpers.sparse import tie_equivalent
     from vllm.config import set_current_vllm_config
 
     t0 = time.perf_counter()
     model = tiny_transformers(family, topk, dtype)
+    ref_model = model if dtype == torch.float32 else copy.deepcopy(model).float()
     seed = SEEDS[family]
     config = vllm_config_for(model, tmp, fmt, dtype)
     with set_current_vllm_config(config):
@@ -513,7 +523,7 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
         idx_builder = DeepseekV32IndexerMetadataBuilder(ispec, [layer.indexer.k_cache.prefix], config,
                                                         torch.device("cpu"), block_table_width=width)
         g = torch.Generator().manual_seed(seed + 100)
-        hidden = [torch.randn(n, model.config.hidden_size, generator=g) for n in totals]
+        hidden = [torch.randn(n, model.config.hidden_size, generator=g).to(dtype).float() for n in totals]
         steps = run_vllm(layer, topk_buffer, config, (mla_builder, idx_builder), hidden, block_table)
     rec = {"family": family, "kv_cache_dtype": fmt, "dtype": str(dtype).removeprefix("torch."), "topk": topk,
            "backend": f"{layer.attn_backend.__module__}.{layer.attn_backend.__qualname__}",
@@ -531,10 +541,11 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
     for r, n in enumerate(totals):
         chunks = [s[r] for s in STEPS]
         v = got[r]
-        fed_kv = cache_rows(layer, block_table, r, n, fmt) if fmt != "auto" else None
-        own, own_sel = transformers_steps(model, hidden[r], chunks, "own", fed_kv=fed_kv)
-        fed, _ = transformers_steps(model, hidden[r], chunks, "fed", sel=v["sel"], fed_kv=fed_kv)
-        dense = transformers_steps(model, hidden[r], chunks, "dense", fed_kv=fed_kv)[0] if topk >= n else None
+        # what the cache holds, where it differs from transformers' own fp32 latents
+        fed_kv = cache_rows(layer, block_table, r, n, fmt) if fmt != "auto" or dtype != torch.float32 else None
+        own, own_sel = transformers_steps(ref_model, hidden[r], chunks, "own", fed_kv=fed_kv)
+        fed, _ = transformers_steps(ref_model, hidden[r], chunks, "fed", sel=v["sel"], fed_kv=fed_kv)
+        dense = transformers_steps(ref_model, hidden[r], chunks, "dense", fed_kv=fed_kv)[0] if topk >= n else None
         width = max(x.shape[1] for x in own_sel)  # min(index_topk, keys so far) per chunk
         own_sel = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1) for x in own_sel])
         scores = index_scores(v["q8"], v["w"], index_keys(layer, block_table, r, n))
@@ -552,9 +563,10 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
             "sel_bad_rows_vs_cache_scores": bad, "sel_exact_rows": exact,
             "sel_tie_rows": n - exact - len(bad),
             "sel_equal_transformers_rows": len(same_tf),
-            "max_err_fed": float((v["out"] - fed).abs().max()),
+            "max_err_fed": float((v["out"] - fed).abs().max()), "rel_fed": rel_fro(v["out"], fed),
             "max_ref_fed": float(fed.abs().max()),
             "max_err_own_same_rows": float((v["out"][same_tf] - own[same_tf]).abs().max()) if same_tf else None,
+            "rel_own_same_rows": rel_fro(v["out"][same_tf], own[same_tf]) if same_tf else None,
             "max_err_dense": None if dense is None else float((v["out"] - dense).abs().max()),
         })
     rec["requests"] = reqs
@@ -564,8 +576,11 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
 
 # (family, kv cache dtype, index_topk): 128 drops tokens (sequences of 152 and 201); 256 drops none
 # (the layer must then equal dense attention).
-CASES = [("deepseek_v32", "auto", TOPK), ("glm_moe_dsa", "auto", TOPK), ("deepseek_v32", "fp8_ds_mla", TOPK),
-         ("glm_moe_dsa", "fp8_ds_mla", TOPK), ("deepseek_v32", "auto", 256), ("glm_moe_dsa", "fp8_ds_mla", 256)]
+F32, BF16 = torch.float32, torch.bfloat16
+CASES = [("deepseek_v32", "auto", TOPK, F32), ("glm_moe_dsa", "auto", TOPK, F32),
+         ("deepseek_v32", "fp8_ds_mla", TOPK, F32), ("glm_moe_dsa", "fp8_ds_mla", TOPK, F32),
+         ("deepseek_v32", "auto", 256, F32), ("glm_moe_dsa", "fp8_ds_mla", 256, F32),
+         ("deepseek_v32", "fp8_ds_mla", TOPK, BF16), ("glm_moe_dsa", "auto", TOPK, BF16)]
 
 
 def main() -> None:
@@ -579,13 +594,14 @@ def main() -> None:
             if only and family not in only:
                 continue
             result["selection"][family] = selection(tiny_transformers(family, TOPK, torch.float32), tmp)
-        for family, fmt, topk in CASES:
-            if only and f"{family}:{fmt}:{topk}" not in only:
+        for family, fmt, topk, dtype in CASES:
+            name = str(dtype).removeprefix("torch.")
+            if only and f"{family}:{fmt}:{topk}:{name}" not in only:
                 continue
             try:
-                result["cases"].append(compare_case(family, fmt, torch.float32, tmp, topk))
+                result["cases"].append(compare_case(family, fmt, dtype, tmp, topk))
             except Exception as exc:  # noqa: BLE001 -- reported per case
-                result["cases"].append({"family": family, "kv_cache_dtype": fmt, "topk": topk, "error": f"{type(exc).__name__}: {exc}",
+                result["cases"].append({"family": family, "kv_cache_dtype": fmt, "topk": topk, "dtype": name, "error": f"{type(exc).__name__}: {exc}",
                                         "traceback": traceback.format_exc()[-4000:]})
         result["routed"] = sorted(sparse_plugin.routed())
     print(json.dumps(result))
