@@ -44,10 +44,7 @@ if triton is not None:
         L: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LOWP_DOT: tl.constexpr, IEEE_FP32: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
-        t = tl.program_id(0).to(tl.int64)
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_mask = heads < N
-        heads = heads.to(tl.int64)
+        t, heads, h_mask = _program_heads(N, BLOCK_H)
         r = tl.load(req_ptr + t).to(tl.int64)
         ctx = tl.load(ctx_ptr + r)
         q0 = tl.load(cuq_ptr + r)
@@ -93,6 +90,14 @@ if triton is not None:
         _store_outputs(o_ptr + t * o_st, lse_ptr + t, heads, h_mask, o_sh, lse_sh, acc, m_i, l_i, L, BLOCK_L)
 
     @triton.jit
+    def _program_heads(N, BLOCK_H: tl.constexpr):
+        """This program's token t (grid axis 0, int64) and its block of heads (axis 1, int64, with
+        the mask of those below N)."""
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = heads < N
+        return tl.program_id(0).to(tl.int64), heads.to(tl.int64), h_mask
+
+    @triton.jit
     def _load_queries(ql_ptr, qp_ptr, t, heads, h_mask, ql_st, ql_sh, qp_st, qp_sh, L: tl.constexpr,
                       R: tl.constexpr, LOWP_DOT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
         """Token t's [q_lat | q_pe] rows of BLOCK_H heads (fp32 unless LOWP_DOT: the interpreter's
@@ -136,11 +141,8 @@ if triton is not None:
         L: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LOWP_DOT: tl.constexpr, IEEE_FP32: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
-        t = tl.program_id(0).to(tl.int64)
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_mask = heads < H
-        heads = heads.to(tl.int64)
-        sp = tl.program_id(2).to(tl.int64)
+        t, heads, h_mask = _program_heads(H, BLOCK_H)
+        sp = tl.program_id(2)
         q, qp = _load_queries(ql_ptr, qp_ptr, t, heads, h_mask, ql_st, ql_sh, qp_st, qp_sh, L, R, LOWP_DOT, BLOCK_L,
                               BLOCK_R)
         k_scale = load_k_scale(ks_ptr, MODE)
@@ -152,15 +154,16 @@ if triton is not None:
         k_hi = tl.minimum(K, k_lo + split_len)
         for j0 in range(k_lo, k_hi, BLOCK_N):
             j = j0 + offs_n
-            s = tl.load(sl_ptr + t * sl_st + j, mask=j < k_hi, other=-1).to(tl.int64)
+            # int32 slot arithmetic (a 64-bit division per slot spilled 276-424 B on sm_80..90)
+            s = tl.load(sl_ptr + t * sl_st + j, mask=j < k_hi, other=-1)
             blk = s // block_rows
             ok = (s >= 0) & (s - blk * block_rows < block_size) & (blk < num_blocks)
-            row = tl.where(ok, s, 0) * c_ent  # the flat row: block stride = block_rows rows
+            row = tl.where(ok, s, 0).to(tl.int64) * c_ent  # the flat row: block stride = block_rows rows
             kv, pe = load_latent_rows(c_ptr, c32_ptr, c16_ptr, row, ok, k_scale, L, R, MODE, BLOCK_N, BLOCK_L,
                                       BLOCK_R)
             m_i, l_i, acc = latent_softmax_step(q, qp, kv, pe, ok, qk_scale_log2, m_i, l_i, acc, LOWP_DOT,
                                                 IEEE_FP32, BLOCK_R)
-        _store_outputs(o_ptr + sp * o_ss + t * o_st, lse_ptr + sp * lse_ss + t * lse_st, heads, h_mask, o_sh, lse_sh,
+        _store_outputs(o_ptr + sp.to(tl.int64) * o_ss + t * o_st, lse_ptr + sp.to(tl.int64) * lse_ss + t * lse_st, heads, h_mask, o_sh, lse_sh,
                        acc, m_i, l_i, L, BLOCK_L)
 
 

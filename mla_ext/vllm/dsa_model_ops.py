@@ -160,6 +160,22 @@ def rope_prefix(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor
 
 # -- cache writes ----------------------------------------------------------------
 
+class _Naming:
+    """Re-raises a cache writer's ValueError prefixed with this op's argument (the writers name
+    their own: kv_cache, k ...)."""
+
+    def __init__(self, arg: str):
+        self.arg = arg
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is ValueError:
+            raise ValueError(f"{self.arg}: {exc}") from None
+        return False
+
+
 def _write_latent(kv_n: Tensor, kpe_r: Tensor, cache: Tensor, slots: Tensor, kv_cache_dtype: str,
                   k_scale: Tensor | None, skip_scale: bool) -> None:
     """[kv_c_normed, k_pe_roped] (fp32) into the MLA cache at slots (negative skipped), as vLLM's
@@ -173,7 +189,8 @@ def _write_latent(kv_n: Tensor, kpe_r: Tensor, cache: Tensor, slots: Tensor, kv_
     if fmt.quant_mode == QuantMode.NONE:
         if cache.dtype not in _FLOATS:
             raise ValueError(f"mla_kv_cache: a {fmt.name!r} cache holds bf16/fp16/fp32, got {cache.dtype}")
-        cache_api.concat_and_cache_mla(kv_n.to(cache.dtype), kpe_r.to(cache.dtype), cache, slots, "auto", ones)
+        with _Naming("mla_kv_cache"):
+            cache_api.concat_and_cache_mla(kv_n.to(cache.dtype), kpe_r.to(cache.dtype), cache, slots, "auto", ones)
         return
     if cache.element_size() != 1:
         raise ValueError(f"mla_kv_cache: a {fmt.name!r} cache holds bytes (uint8 or float8), got {cache.dtype}")
@@ -183,7 +200,8 @@ def _write_latent(kv_n: Tensor, kpe_r: Tensor, cache: Tensor, slots: Tensor, kv_
         if not isinstance(k_scale, Tensor) or k_scale.numel() != 1 or k_scale.dtype != torch.float32:
             raise ValueError(f"mla_k_scale: expected a float32 tensor with one element, got {k_scale!r}")
         scale = k_scale.reshape(1)
-    cache_api.concat_and_cache_mla(kv_n, kpe_r, cache, slots, fmt.name, scale)
+    with _Naming(f"mla_kv_cache ({fmt.name})"):
+        cache_api.concat_and_cache_mla(kv_n, kpe_r, cache, slots, fmt.name, scale)
 
 
 def _write_index_shuffled(k: Tensor, cache: Tensor, slots: Tensor) -> None:
@@ -223,7 +241,8 @@ def _write_index(k: Tensor, cache, slots: Tensor, shuffled: bool) -> None:
     if shuffled:
         _write_index_shuffled(k, cache, slots)
     else:
-        write_index_cache(k, cache, slots, "fp8", quant_block_size=k.shape[1], scale_fmt="ue8m0")
+        with _Naming("indexer_k_cache"):
+            write_index_cache(k, cache, slots, "fp8", quant_block_size=k.shape[1], scale_fmt="ue8m0")
 
 
 # -- the two ops -------------------------------------------------------------------

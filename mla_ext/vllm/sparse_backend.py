@@ -4,7 +4,7 @@ mla_ext/vllm/sparse_plugin.py registers `MlaExtSparseMLABackend` under vLLM's CU
 and, on 8.x, under FLASHMLA_SPARSE.
 
 What is vLLM's and what is mla_ext's:
-* The backend class states what it serves: MLA, sparse; bf16 / fp16 models; kv caches
+* The backend class states what it serves: MLA, sparse; bf16 / fp16 (and fp32) models; kv caches
   "auto" (the model dtype), "bfloat16" and "fp8_ds_mla" (656-byte rows); block sizes that are
   multiples of 64 (the indexer's); head size 576 (512 latent + 64 rope) or 512 (NoPE); any
   compute capability from 8.0.

@@ -49,7 +49,8 @@ class Route:
     module: str  # the vLLM module whose global is rebound
     attr: str
     provider: str  # "mla_ext module:function" taking its place
-    need: str  # when: "no-deep-gemm" (cc 8.x), "no-triton-fp8" (cc < 8.9), "no-c-op" (vLLM's _C lacks it)
+    need: str  # when: "no-deep-gemm" (cc 8.x), "no-triton-fp8" (cc < 8.9), "no-c-op" (vLLM's library lacks it)
+    c_op: str = ""  # "no-c-op": the torch.ops name vLLM's wrapper calls, e.g. "_C_cache_ops.indexer_k_quant_and_cache"
 
 
 _INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
@@ -70,11 +71,15 @@ ROUTES = (
     Route(_V32_ATTENTION, "fused_q", "mla_ext.vllm.dsa_model_ops:fused_q", "no-triton-fp8"),
     Route(_V2_MODEL, "fused_indexer_q_rope_quant", "mla_ext.vllm.indexer_quant:fused_indexer_q_rope_quant",
           "no-triton-fp8"),
-    Route(_OPS, "indexer_k_quant_and_cache", "mla_ext.vllm._indexer_ops:indexer_k_quant_and_cache", "no-c-op"),
+    # vLLM's wrappers in _custom_ops call these torch ops (namespaces as vLLM 0.33 registers them).
+    Route(_OPS, "indexer_k_quant_and_cache", "mla_ext.vllm._indexer_ops:indexer_k_quant_and_cache", "no-c-op",
+          "_C_cache_ops.indexer_k_quant_and_cache"),
     Route(_OPS, "cp_gather_indexer_k_quant_cache", "mla_ext.vllm._indexer_ops:cp_gather_indexer_k_quant_cache",
-          "no-c-op"),
-    Route(_OPS, "top_k_per_row_prefill", "mla_ext.vllm._indexer_ops:top_k_per_row_prefill", "no-c-op"),
-    Route(_OPS, "top_k_per_row_decode", "mla_ext.vllm._indexer_ops:top_k_per_row_decode", "no-c-op"),
+          "no-c-op", "_C_cache_ops.cp_gather_indexer_k_quant_cache"),
+    Route(_OPS, "top_k_per_row_prefill", "mla_ext.vllm._indexer_ops:top_k_per_row_prefill", "no-c-op",
+          "_C.top_k_per_row_prefill"),
+    Route(_OPS, "top_k_per_row_decode", "mla_ext.vllm._indexer_ops:top_k_per_row_decode", "no-c-op",
+          "_C.top_k_per_row_decode"),
 )
 
 _lock = threading.RLock()
@@ -101,11 +106,13 @@ def _capability(platform) -> tuple[int, int] | None:
     return None if cap is None else (cap.major, cap.minor)
 
 
-def _c_op_available(name: str) -> bool:
+def _c_op_available(qualified: str) -> bool:
+    """Whether vLLM's compiled library registered torch.ops.<namespace>.<op> in this process."""
     import torch
 
+    namespace, op = qualified.split(".")
     try:
-        getattr(torch.ops._C, name)
+        getattr(getattr(torch.ops, namespace), op)
     except (AttributeError, RuntimeError):
         return False
     return True
@@ -133,7 +140,7 @@ def _provider(route: Route):
 def _apply(route: Route, module) -> None:
     key = (route.module, route.attr)
     with _lock:
-        if key in _originals or (route.need == "no-c-op" and _c_op_available(route.attr)):
+        if key in _originals or (route.need == "no-c-op" and _c_op_available(route.c_op)):
             return
         if not hasattr(module, route.attr):
             raise RuntimeError(f"{route.module}.{route.attr}: not found; mla_ext's sparse routes expect the "

@@ -102,3 +102,118 @@ def q_case(name: str):
             _cos_sin(g, torch.float32) if has_idx else None, ql_nope, torch.tensor([q_scale]),
             w_full[:, IDX_DIM:] if has_idx else None, IDX_DIM ** -0.5, NI ** -0.5]
     return args, dict(has_indexer=has_idx, index_rope_interleave=inter, quantize_mqa=quant)
+
+
+# -- comparisons shared by the vLLM-oracle and the reference tests --------------------
+
+MAX_NEAR = 0.01  # share of reduction-derived values allowed one ulp/code off
+
+
+def _near_floats(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    """bf16/fp16: equal up to one ulp at a few elements; fp32: within 8 ulps (the whole row moves
+    with the norm's reduction order). NaN where both are NaN."""
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, what
+    a, b = ours.float(), theirs.float()
+    assert torch.equal(a.isnan(), b.isnan()), what
+    a, b = a.nan_to_num(), b.nan_to_num()
+    ulps = 8 if ours.dtype == torch.float32 else 1
+    ulp = torch.finfo(ours.dtype).eps * torch.maximum(a.abs(), b.abs()).clamp_min(1e-30)
+    assert bool(((a - b).abs() <= ulps * ulp).all()), f"{what}: max diff {(a - b).abs().max()}"
+    assert ours.dtype == torch.float32 or (a != b).float().mean() <= MAX_NEAR, what
+
+
+def _near_e4m3(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    """e4m3 bytes equal, or the same sign and one code apart, at a few bytes."""
+    a, b = ours.view(torch.uint8).int(), theirs.view(torch.uint8).int()
+    off = a != b
+    assert bool(((a & 0x80) == (b & 0x80))[off].all()) and bool(((a & 0x7F) - (b & 0x7F)).abs().le(1).all()), what
+    assert off.float().mean() <= MAX_NEAR, what
+
+
+def _check_mla_cache(ours, theirs, poison, slots, cdt):
+    ob, tb, pb = (c.view(torch.uint8).reshape(-1, c.shape[2] * c.element_size()) for c in (ours, theirs, poison))
+    written = slots[slots >= 0]
+    untouched = torch.ones(ob.shape[0], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(ob[untouched], pb[untouched]) and torch.equal(tb[untouched], pb[untouched])
+    o, t = ob[written], tb[written]
+    if cdt == "fp8_ds_mla":
+        _near_e4m3(o[:, :512], t[:, :512], "fp8_ds_mla values")
+        assert torch.equal(o[:, 512:], t[:, 512:]), "fp8_ds_mla scales and bf16 rope"
+    elif cdt == "fp8":
+        _near_e4m3(o[:, :512], t[:, :512], "fp8 latent")
+        assert torch.equal(o[:, 512:], t[:, 512:]), "fp8 rope"
+    else:
+        o, t = o.view(ours.dtype), t.view(ours.dtype)
+        _near_floats(o[:, :512], t[:, :512], "native latent")
+        assert torch.equal(o[:, 512:], t[:, 512:]), "native rope"
+
+
+def _check_index_cache(ours, theirs, poison, B):
+    """Whole pages: scales exact, values within one code; bytes neither run wrote stay poison."""
+    D = IDX_DIM
+    ob, tb, pb = (c.reshape(c.shape[0], -1) for c in (ours, theirs, poison))
+    assert torch.equal(ob[:, B * D:], tb[:, B * D:]), "index cache scales"
+    _near_e4m3(ob[:, :B * D], tb[:, :B * D], "index cache values")
+    same = (ob == pb) & (tb == pb)
+    changed_ours = (ob != pb).sum()
+    assert changed_ours <= (tb != pb).sum() + (ob != tb).sum() and bool(same.any())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str, exact: bool) -> None:
+    """Element-wise results: bit-identical to vLLM's kernel (exact), else near (the reference)."""
+    if exact:
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), what
+    elif a.dtype in (torch.float8_e4m3fn, torch.uint8):
+        _near_e4m3(a, b, what)
+    else:
+        _near_floats(a, b, what)
+
+
+def compare_norm_rope(name: str, ret, args, kwargs, other: dict, exact: bool) -> None:
+    """Our fused_norm_rope run (ret, its args/kwargs after the call) against another run of the
+    same case (vLLM's kernel, exact=True for its element-wise results; or the reference)."""
+    _, poison_kw = norm_rope_case(name)
+    ok, tk = kwargs, other["kwargs"]
+    _near_floats(ret, other["ret"], "q_c_out")
+    if "q_c_out" in ok:
+        assert ret is ok["q_c_out"]
+    for out in ("kv_c_out", "index_k_out"):
+        if out in ok:
+            _near_floats(ok[out], tk[out], out)
+    if "k_pe_out" in ok:
+        _same(ok["k_pe_out"], tk["k_pe_out"], "k_pe_out (element-wise RoPE)", exact)
+    if "index_k_out" in ok and "slot_mapping" in ok:  # rows of padding slots are not written
+        assert bool(ok["index_k_out"][ok["slot_mapping"] < 0].isnan().all())
+    topk, has_idx = args[-1], ok["has_indexer"]
+    assert torch.equal(topk, other["args"][-1])
+    assert bool((topk[:T] == (-1 if has_idx else POISON_TOPK)).all())
+    assert bool((topk[T:] == POISON_TOPK).all())
+    if "mla_kv_cache" in ok:
+        _check_mla_cache(ok["mla_kv_cache"], tk["mla_kv_cache"], poison_kw["mla_kv_cache"], ok["slot_mapping"],
+                         ok["mla_kv_cache_dtype"])
+        if has_idx:
+            _check_index_cache(ok["indexer_k_cache"], tk["indexer_k_cache"], poison_kw["indexer_k_cache"],
+                               ok["indexer_k_cache"].shape[1])
+        else:
+            assert torch.equal(ok["indexer_k_cache"], poison_kw["indexer_k_cache"])
+    fresh = norm_rope_case(name)[0]
+    for i in (1, 4, 7, 9):  # inputs are read only
+        if args[i] is not None:
+            assert torch.equal(args[i], fresh[i])
+
+
+def compare_q(args, kwargs, ours, theirs, exact: bool) -> None:
+    """Our fused_q outputs against another run's (vLLM's kernel: exact; or the reference)."""
+    for o, t in zip(ours, theirs):
+        assert o.dtype == t.dtype and o.shape == t.shape
+    iq, w, mqa = ours
+    if kwargs["has_indexer"]:  # element-wise (RoPE, max, power-of-two scale)
+        _same(iq, theirs[0], "index_q_fp8", exact)
+        if exact:
+            assert torch.equal(w, theirs[1]), "index_weights_out"
+        else:
+            _near_floats(w, theirs[1], "index_weights_out")
+    _same(mqa, theirs[2], "mqa_q", exact)
+    if kwargs["quantize_mqa"] and args[6].item() <= 0.5:  # ql_nope * 60 / q_scale: some saturate at 448
+        assert bool((mqa.view(torch.uint8)[..., :L_NOPE] & 0x7F == 0x7E).any())

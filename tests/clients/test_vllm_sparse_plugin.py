@@ -83,3 +83,18 @@ def test_capability_9x_keeps_vllms_kernels(vllm_tree):
 def test_sparse_off_registers_nothing(vllm_tree):
     r = _registration(vllm_tree, "8.6", MLA_EXT_VLLM_SPARSE="0")
     assert r["flashmla_sparse"] is None and r["custom"] is None and r["routed"] == []
+
+
+def test_c_op_routes_check_the_namespace_vllms_wrapper_calls(vllm_tree):
+    """A "no-c-op" route stands aside when vLLM's compiled library has the op: the check must look
+    where vLLM's wrapper looks (the cache ops live in torch.ops._C_cache_ops, not _C)."""
+    import ast
+
+    source = (vllm_tree / "vllm" / "_custom_ops.py").read_text()
+    bodies = {n.name: ast.get_source_segment(source, n) for n in ast.parse(source).body
+              if isinstance(n, ast.FunctionDef)}
+    c_routes = [r for r in sp.ROUTES if r.need == "no-c-op"]
+    assert c_routes
+    for r in c_routes:
+        assert r.module == "vllm._custom_ops" and r.attr in bodies, r
+        assert f"torch.ops.{r.c_op}(" in bodies[r.attr], (r.attr, r.c_op)

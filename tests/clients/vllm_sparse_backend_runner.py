@@ -30,28 +30,10 @@ os.environ.setdefault("VLLM_PLUGINS", "mla_ext")
 
 import torch  # noqa: E402
 
-import vllm.platforms  # noqa: E402
-from vllm.platforms.interface import DeviceCapability, UnspecifiedPlatform  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stated_platform import install_stated_platform  # noqa: E402
 
-CAPABILITY = DeviceCapability(8, 6)
-
-
-class StatedPlatform(UnspecifiedPlatform):
-    device_type = "cpu"
-    device_name = "cpu"
-    dispatch_key = "CPU"
-
-    @classmethod
-    def get_device_capability(cls, device_id: int = 0):
-        return CAPABILITY
-
-    @classmethod
-    def is_pin_memory_available(cls) -> bool:
-        return False
-
-
-vllm.platforms._current_platform = StatedPlatform()
-vllm.platforms.current_platform = vllm.platforms._current_platform
+install_stated_platform("8.6")
 
 # Plugins first, as in every vLLM process (before the model's modules are imported).
 from vllm.plugins import load_general_plugins  # noqa: E402
@@ -61,6 +43,7 @@ load_general_plugins()
 import transformers  # noqa: E402
 from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
@@ -71,6 +54,7 @@ from mla_ext.sparse.slot_attention import SPARSE_SLOTS  # noqa: E402
 from mla_ext.sparse.reference import sparse_latent_attention_slots_reference  # noqa: E402
 from mla_ext.vllm import plugin  # noqa: E402
 
+CAPABILITY = DeviceCapability(8, 6)
 H, P, V, L, R, B, TOPK = 4, 32, 32, 512, 64, 64, 16
 LAYER = "model.layers.0.self_attn.attn"
 # Mixed batch, decodes first as vLLM orders them: (context, new tokens) per request.

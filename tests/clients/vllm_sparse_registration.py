@@ -13,27 +13,10 @@ import sys
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_PLUGINS", "mla_ext")
 
-import vllm.platforms  # noqa: E402
-from vllm.platforms.interface import DeviceCapability, UnspecifiedPlatform  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stated_platform import install_stated_platform  # noqa: E402
 
-STATED = sys.argv[1]
-
-
-class StatedPlatform(UnspecifiedPlatform):
-    device_type = "cpu"
-    device_name = "cpu"
-    dispatch_key = "CPU"
-
-    @classmethod
-    def get_device_capability(cls, device_id: int = 0):
-        if STATED == "none":
-            return None
-        major, minor = STATED.split(".")
-        return DeviceCapability(int(major), int(minor))
-
-
-vllm.platforms._current_platform = StatedPlatform()
-vllm.platforms.current_platform = vllm.platforms._current_platform
+install_stated_platform(sys.argv[1])
 
 from vllm.plugins import load_general_plugins  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402

@@ -1,5 +1,6 @@
-"""The sparse kernels compile ahead of time for sm_86 and sm_90 (no GPU needed): within
-shared memory, no fp8 types on sm_86, and zero register spills (ptxas -v on Triton's PTX)."""
+"""The sparse kernels compile ahead of time for sm_86 and sm_90 (the flat-slot kernel also for sm_80
+and sm_89; no GPU needed): within shared memory, no fp8 types below sm_89, and zero register
+spills (ptxas -v on Triton's PTX)."""
 import json
 import os
 import subprocess
@@ -55,6 +56,17 @@ for cc in (86, 90):
         build(TX._index_gather_kernel, dict(c_ptr="*u8" if fp8 else "*bf16", c32_ptr="*fp32", bt_ptr="*i32",
               cu_ptr="*i32", st_ptr="*i32", out_ptr="*fp32"), dict(D=128, Q=128, FP8=fp8, HAS_STARTS=True,
               BLOCK_T=32, BLOCK_D=128), cc, TX.GATHER_WARPS, 1)
+# The flat-slot kernel (vLLM's sparse backend) on every 8.x target and sm_90: the fp8_ds_mla
+# decoder with 16-bit outputs and with the split-K fp32 partials, and the native bf16 cache.
+SMEM.update({80: 163 * 1024, 89: 99 * 1024})
+for cc, mode, cache_t, o_t in ((80, TL.MODE_DS_MLA, "u8", "bf16"), (86, TL.MODE_DS_MLA, "u8", "bf16"),
+                               (89, TL.MODE_DS_MLA, "u8", "bf16"), (90, TL.MODE_DS_MLA, "u8", "bf16"),
+                               (80, TL.MODE_DS_MLA, "u8", "fp32"), (86, TL.MODE_NATIVE, "bf16", "bf16")):
+    bh, bn, warps, stages = TS._gpu_config(False, cc >= 90, mode)
+    ptrs = dict(ql_ptr="*bf16", qp_ptr="*bf16", c_ptr=f"*{cache_t}", c32_ptr="*fp32", c16_ptr="*bf16", sl_ptr="*i32",
+                ks_ptr="*fp32", o_ptr=f"*{o_t}", lse_ptr="*fp32", qk_scale_log2="fp32")
+    build(TS._slot_latent_kernel, ptrs, dict(L=512, R=64, MODE=mode, LOWP_DOT=True, IEEE_FP32=False, BLOCK_H=bh,
+          BLOCK_N=bn, BLOCK_L=512, BLOCK_R=64), cc, warps, stages)
 print("AOT-OK")
 """
 
