@@ -74,7 +74,7 @@ def _triton_reasons(x, forced_name) -> list[str]:
     why = TM.not_supported_reasons(x.q)
     if x.device.type == "cpu" and forced_name != "triton":
         why.append("CPU tensors: the Triton interpreter runs only when forced")
-    return why + TM._fits(x.q.shape[-1], x.q.shape[-2] if isinstance(x, PagedInputs) else None)
+    return why + TM._fits(x.q.shape[-1], x.q.shape[-2])
 
 
 def _mqa_triton(x: MqaInputs) -> Tensor:

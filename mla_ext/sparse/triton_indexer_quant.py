@@ -88,4 +88,4 @@ def q_rope_quant_triton(positions: Tensor, q: Tensor, cos_sin_cache: Tensor, wei
             positions, q, cos_sin_cache, weights, q_out, w_out, H, q.stride(0), q.stride(1), cos_sin_cache.stride(0),
             weights.stride(0), weights.stride(1), q_out.stride(0), q_out.stride(1), w_out.stride(0),
             float(softmax_scale), float(head_scale), D=D, R=cos_sin_cache.shape[-1], NEOX=bool(is_neox),
-            BLOCK_H=bh, BLOCK_D=_pad(D), num_warps=1 if interpreting() else WARPS)
+            BLOCK_H=bh, BLOCK_D=_pad(D), num_warps=1 if interpreting() else WARPS, num_stages=1)

@@ -9,13 +9,13 @@ e4m3 value is an fp16 value, subnormals included: `e4m3_to_f16`), so no fp8 type
 accumulation (each product exact in fp32), the head sum and the key scale in fp32.
 
 _mqa_logits_kernel        prefill: keys [N, D] + scales [N]; compressed rows (column c of row m
-                          is key ks[m] + c). One program: BLOCK_M rows x compressed columns
-                          [c0, c0 + BLOCK_N); it scores the absolute key tiles covering its rows'
-                          windows (one tile when the rows share ks, as one request's rows do) and
-                          stores each (row, column) it owns once.
+                          is key ks[m] + c).
 _paged_mqa_logits_kernel  decode: keys from vLLM's paged fp8 index cache (page = B tokens' D bytes,
-                          then their B fp32 scales). One program: one logits row x BLOCK_N
-                          positions, the heads as the dot's M dimension ([H, D] x [D, BLOCK_N]).
+                          then their B fp32 scales).
+One program: one logits row x BLOCK_N columns, the heads as the dot's M dimension ([H, D] x
+[D, BLOCK_N], `_head_sum`); consecutive programs are rows of one column tile, so a key tile is
+read from L2 by the rows after the first. (A tile of rows x columns with the heads looped keeps
+the decoded key tile in every warp's registers: 255 registers and spills on sm_80/86/89.)
 Both write only valid entries; the wrappers fill the rest with -inf first.
 """
 from __future__ import annotations
@@ -38,40 +38,36 @@ if triton is not None:
         return h.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
 
     @triton.jit
-    def _mqa_logits_kernel(q_ptr, k_ptr, ksc_ptr, w_ptr, st_ptr, en_ptr, out_ptr,
-                           M, N, W, q_sm, q_sh, k_sn, w_sm, out_sm,
-                           H: tl.constexpr, D: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        pid_m = tl.program_id(0)
-        c0 = tl.program_id(1) * BLOCK_N
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        r_mask = rows < M
-        st = tl.load(st_ptr + rows, mask=r_mask, other=0)
-        en = tl.minimum(tl.load(en_ptr + rows, mask=r_mask, other=0), N)  # keys past N: none (no read)
-        live = r_mask & (en - st > c0) & (st >= 0)
-        lo = tl.min(tl.where(live, st + c0, 2147483647), axis=0)
-        hi = tl.max(tl.where(live, tl.minimum(st + c0 + BLOCK_N, en), 0), axis=0)
+    def _head_sum(qrow_ptr, q_sh, wrow_ptr, kb, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+        """sum_h w[h] * relu(q[h] . k[n]) for one query row (heads as the dot's M) against a tile of
+        key bytes kb [BLOCK_N, BLOCK_D] -> fp32 [BLOCK_N]."""
+        h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        d_mask = d < D
-        rows64 = rows.to(tl.int64)
-        for n0 in range(lo, hi, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = n < hi
+        qb = tl.load(qrow_ptr + h[:, None] * q_sh + d[None, :], mask=(h < H)[:, None] & (d < D)[None, :], other=0)
+        s = tl.dot(e4m3_to_f16(qb.to(tl.int32)), tl.trans(e4m3_to_f16(kb.to(tl.int32))))  # [BLOCK_H, BLOCK_N]
+        wv = tl.load(wrow_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+        return tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
+
+    @triton.jit
+    def _mqa_logits_kernel(q_ptr, k_ptr, ksc_ptr, w_ptr, st_ptr, en_ptr, out_ptr,
+                           N, W, q_sm, q_sh, k_sn, w_sm, out_sm,
+                           H: tl.constexpr, D: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        m = tl.program_id(0).to(tl.int64)
+        c0 = tl.program_id(1) * BLOCK_N
+        st = tl.load(st_ptr + m)
+        en = tl.minimum(tl.load(en_ptr + m), N)  # keys past N: none (no read)
+        if (st >= 0) & (c0 < tl.minimum(en - st, W)):
+            c = c0 + tl.arange(0, BLOCK_N)
+            n = st + c
+            ok = (c < W) & (n < en)
+            d = tl.arange(0, BLOCK_D)
             n64 = n.to(tl.int64)
-            kb = tl.load(k_ptr + n64[:, None] * k_sn + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0)
-            k = e4m3_to_f16(kb.to(tl.int32))
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for h in range(H):
-                qb = tl.load(q_ptr + rows64[:, None] * q_sm + h * q_sh + d[None, :],
-                             mask=r_mask[:, None] & d_mask[None, :], other=0)
-                s = tl.dot(e4m3_to_f16(qb.to(tl.int32)), tl.trans(k))
-                wh = tl.load(w_ptr + rows64 * w_sm + h, mask=r_mask, other=0.0).to(tl.float32)
-                acc += wh[:, None] * tl.maximum(s, 0.0)
-            acc = acc * tl.load(ksc_ptr + n64, mask=n_mask, other=0.0)[None, :]
-            c = n[None, :] - st[:, None]
-            ok = (live[:, None] & (c >= c0) & (c < c0 + BLOCK_N) & (c < W) & (n[None, :] < en[:, None])
-                  & n_mask[None, :])
-            tl.store(out_ptr + rows64[:, None] * out_sm + c, acc, mask=ok)
+            kb = tl.load(k_ptr + n64[:, None] * k_sn + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0)
+            logit = _head_sum(q_ptr + m * q_sm, q_sh, w_ptr + m * w_sm, kb, H, D, BLOCK_H, BLOCK_D)
+            logit = logit * tl.load(ksc_ptr + n64, mask=ok, other=0.0)
+            tl.store(out_ptr + m * out_sm + c, logit, mask=ok)
 
     @triton.jit
     def _paged_mqa_logits_kernel(q_ptr, c_ptr, c32_ptr, w_ptr, end_ptr, bt_ptr, out_ptr,
@@ -93,34 +89,31 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         okd = ok[:, None] & (d < D)[None, :]
         kb = tl.load(c_ptr + blk[:, None] * page_stride + off[:, None] * D + d[None, :], mask=okd, other=0)
-        k = e4m3_to_f16(kb.to(tl.int32))
         sc = tl.load(c32_ptr + (blk * page_stride + block_size * D) // 4 + off, mask=ok, other=0.0)
-        h = tl.arange(0, BLOCK_H)
-        h_mask = h < H
         qrow = q_ptr + b.to(tl.int64) * q_s0 + (r % next_n) * q_s1
-        qb = tl.load(qrow + h[:, None] * q_sh + d[None, :], mask=h_mask[:, None] & (d < D)[None, :], other=0)
-        s = tl.dot(e4m3_to_f16(qb.to(tl.int32)), tl.trans(k))  # [BLOCK_H, BLOCK_N] fp32
-        wv = tl.load(w_ptr + r.to(tl.int64) * w_sr + h, mask=h_mask, other=0.0).to(tl.float32)
-        logit = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0) * sc
+        logit = _head_sum(qrow, q_sh, w_ptr + r.to(tl.int64) * w_sr, kb, H, D, BLOCK_H, BLOCK_D) * sc
         tl.store(out_ptr + r.to(tl.int64) * out_sr + pos, logit, mask=p_mask)
 
 
 not_supported_reasons = device_reasons
 
 
-def _fits(D: int, H: int | None = None) -> list[str]:
+def _fits(D: int, H: int) -> list[str]:
     why = []
     if _pad(D) > 256:
         why.append(f"head_dim {D} is above the 256 the kernels' tiles are sized for")
-    if H is not None and _pad(H) > 128:
-        why.append(f"{H} heads: the paged kernel holds at most 128 heads per tile")
+    if _pad(H) > 128:
+        why.append(f"{H} heads: the kernels hold at most 128 heads per tile")
     return why
 
 
 # GPU tiles and warps (ptxas -v, D = 128, H = 64: tests/sparse/test_sparse_aot.py, no spills on
 # sm_80/86/89/90).
-PREFILL_TILE, PREFILL_WARPS = (64, 64), 8
-PAGED_BLOCK_N, PAGED_WARPS = 64, 4
+BLOCK_N = 64
+
+
+def warps(block_h: int) -> int:
+    return 4 if block_h <= 64 else 8  # 128 heads on 4 warps: 255 registers and spills on sm_80
 
 
 def mqa_logits_triton(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor, ke: Tensor,
@@ -131,14 +124,13 @@ def mqa_logits_triton(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, ks
     W = out.shape[1]
     if M == 0 or W == 0 or k.shape[0] == 0:
         return out
-    bm, bn = (16, 32) if interpreting() else PREFILL_TILE
+    bn = 32 if interpreting() else BLOCK_N
     w = weights.to(torch.float32)
-    grid = (triton.cdiv(M, bm), triton.cdiv(W, bn))
     with launch_guard(q):
-        _mqa_logits_kernel[grid](
-            q, k, k_scale, w, ks, ke, out, M, k.shape[0], W, q.stride(0), q.stride(1), k.stride(0),
-            w.stride(0), out.stride(0), H=H, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pad(D),
-            num_warps=4 if interpreting() else PREFILL_WARPS)
+        _mqa_logits_kernel[(M, triton.cdiv(W, bn))](
+            q, k, k_scale, w, ks, ke, out, k.shape[0], W, q.stride(0), q.stride(1), k.stride(0),
+            w.stride(0), out.stride(0), H=H, D=D, BLOCK_H=max(16, _pad(H)), BLOCK_N=bn, BLOCK_D=_pad(D),
+            num_warps=warps(_pad(H)), num_stages=1)
     return out
 
 
@@ -151,7 +143,7 @@ def paged_mqa_logits_triton(q: Tensor, cache: Tensor, weights: Tensor, row_ends:
     rows, W = out.shape
     if rows == 0 or W == 0:
         return out
-    bn = 32 if interpreting() else PAGED_BLOCK_N
+    bn = 32 if interpreting() else BLOCK_N
     w = weights.to(torch.float32)
     c32 = cache.view(torch.float32)
     grid = (rows, triton.cdiv(W, bn))
@@ -160,5 +152,5 @@ def paged_mqa_logits_triton(q: Tensor, cache: Tensor, weights: Tensor, row_ends:
             q, cache, c32, w, row_ends, block_tables, out, W, next_n, cache.shape[1], cache.shape[0],
             block_tables.shape[1], cache.stride(0), q.stride(0), q.stride(1), q.stride(2), w.stride(0),
             block_tables.stride(0), out.stride(0), H=H, D=D, BLOCK_H=max(16, _pad(H)), BLOCK_N=bn,
-            BLOCK_D=_pad(D), num_warps=PAGED_WARPS)
+            BLOCK_D=_pad(D), num_warps=warps(_pad(H)), num_stages=1)
     return out

@@ -67,6 +67,19 @@ for cc, mode, cache_t, o_t in ((80, TL.MODE_DS_MLA, "u8", "bf16"), (86, TL.MODE_
                 ks_ptr="*fp32", o_ptr=f"*{o_t}", lse_ptr="*fp32", qk_scale_log2="fp32")
     build(TS._slot_latent_kernel, ptrs, dict(L=512, R=64, MODE=mode, LOWP_DOT=True, IEEE_FP32=False, BLOCK_H=bh,
           BLOCK_N=bn, BLOCK_L=512, BLOCK_R=64), cc, warps, stages)
+# The DSA indexer ops (DeepGEMM's MQA logits and vLLM's indexer q quantization on 8.x): sm_80 to sm_90.
+from mla_ext.sparse import triton_mqa_logits as TM, triton_indexer_quant as TQ
+for cc in (80, 86, 89, 90):
+    for H in (64, 128):
+        tiles = dict(H=H, D=128, BLOCK_H=H, BLOCK_N=TM.BLOCK_N, BLOCK_D=128)
+        build(TM._mqa_logits_kernel, dict(q_ptr="*u8", k_ptr="*u8", ksc_ptr="*fp32", w_ptr="*fp32", st_ptr="*i32",
+              en_ptr="*i32", out_ptr="*fp32"), tiles, cc, TM.warps(H), 1)
+        build(TM._paged_mqa_logits_kernel, dict(q_ptr="*u8", c_ptr="*u8", c32_ptr="*fp32", w_ptr="*fp32",
+              end_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32"), tiles, cc, TM.warps(H), 1)
+    for neox in (False, True):
+        build(TQ._q_rope_quant_kernel, dict(pos_ptr="*i64", q_ptr="*bf16", cs_ptr="*fp32", w_ptr="*bf16",
+              qo_ptr="*u8", wo_ptr="*fp32", softmax_scale="fp32", head_scale="fp32"),
+              dict(D=128, R=64, NEOX=neox, BLOCK_H=TQ.BLOCK_H, BLOCK_D=128), cc, TQ.WARPS, 1)
 print("AOT-OK")
 """
 
