@@ -38,7 +38,7 @@ os.environ.setdefault("VLLM_PLUGINS", "mla_ext")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_stated_platform import install_stated_platform  # noqa: E402
+from stated_platform import install_stated_platform  # noqa: E402
 
 install_stated_platform("8.6")
 
