@@ -15,8 +15,10 @@ fills exactly those gaps, and nothing else:
   with no flag. The override is made per process from that process's capability (a spawned
   engine core or worker registers again before it builds the model: spawn-safe).
 * vLLM functions are rebound to mla_ext's only where this GPU lacks them (``ROUTES``): the
-  DeepGEMM indexer ops on 8.x (DeepGEMM's are SM90+), the fp8e4nv model-file kernels below
-  8.9, and vLLM ``_C`` ops only when vLLM's own ``_C`` does not have them (the CPU tests).
+  DeepGEMM indexer ops on 8.x (DeepGEMM's are SM90+), the fp8e4nv Triton kernels below 8.9
+  (the model file's fused norm/RoPE/quant, the indexer's fp8 query padding and its JIT warmup,
+  which would stop the engine at start-up), and vLLM's compiled ops only when vLLM's library does
+  not have them (the CPU tests).
   On 9.x and newer nothing is rebound and vLLM's kernels stay.
   A routed module not imported yet is patched the moment it is imported (a post-import
   hook), so a name bound with ``from ... import`` inside vLLM is replaced before use.
@@ -51,6 +53,7 @@ class Route:
     provider: str  # "mla_ext module:function" taking its place
     need: str  # when: "no-deep-gemm" (cc 8.x), "no-triton-fp8" (cc < 8.9), "no-c-op" (vLLM's library lacks it)
     c_op: str = ""  # "no-c-op": the torch.ops name vLLM's wrapper calls, e.g. "_C_cache_ops.indexer_k_quant_and_cache"
+    wraps: bool = False  # the provider takes vLLM's object and returns its stand-in (a wrapper)
 
 
 _INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
@@ -58,6 +61,7 @@ _INDEXER_BUILDER = "vllm.v1.attention.backends.mla.indexer"
 _V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 _V2_MODEL = "vllm.model_executor.models.deepseek_v2"
 _OPS = "vllm._custom_ops"
+_COMMON_OPS = "vllm.v1.attention.ops.common"
 
 ROUTES = (
     Route(_INDEXER, "fp8_fp4_mqa_logits", "mla_ext.vllm.deep_gemm_ops:fp8_fp4_mqa_logits", "no-deep-gemm"),
@@ -71,6 +75,10 @@ ROUTES = (
     Route(_V32_ATTENTION, "fused_q", "mla_ext.vllm.dsa_model_ops:fused_q", "no-triton-fp8"),
     Route(_V2_MODEL, "fused_indexer_q_rope_quant", "mla_ext.vllm.indexer_quant:fused_indexer_q_rope_quant",
           "no-triton-fp8"),
+    # The indexer's fp8 query padding and its JIT-warmup registration (mla_ext/vllm/seq_pack.py).
+    Route(_INDEXER, "pack_seq_triton", "mla_ext.vllm.seq_pack:pack_seq_triton", "no-triton-fp8"),
+    Route(_COMMON_OPS, "_PACK_SEQ_TRITON_KERNEL", "mla_ext.vllm.seq_pack:without_fp8_warmup", "no-triton-fp8",
+          wraps=True),
     # vLLM's wrappers in _custom_ops call these torch ops (namespaces as vLLM 0.33 registers them).
     Route(_OPS, "indexer_k_quant_and_cache", "mla_ext.vllm._indexer_ops:indexer_k_quant_and_cache", "no-c-op",
           "_C_cache_ops.indexer_k_quant_and_cache"),
@@ -145,8 +153,8 @@ def _apply(route: Route, module) -> None:
         if not hasattr(module, route.attr):
             raise RuntimeError(f"{route.module}.{route.attr}: not found; mla_ext's sparse routes expect the "
                                f"layout of vLLM 0.32/0.33")
-        _originals[key] = getattr(module, route.attr)
-        setattr(module, route.attr, _provider(route))
+        original = _originals[key] = getattr(module, route.attr)
+        setattr(module, route.attr, _provider(route)(original) if route.wraps else _provider(route))
     logger.info("mla_ext: %s.%s -> %s (pid %d)", route.module, route.attr, route.provider, os.getpid())
 
 

@@ -25,7 +25,8 @@ def _routes(cap):
 
 def test_routes_follow_what_the_gpu_lacks():
     deep_gemm = {"fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "has_deep_gemm", "get_paged_mqa_logits_metadata"}
-    triton_fp8 = {"fused_norm_rope", "fused_q", "fused_indexer_q_rope_quant"}
+    triton_fp8 = {"fused_norm_rope", "fused_q", "fused_indexer_q_rope_quant", "pack_seq_triton",
+                  "_PACK_SEQ_TRITON_KERNEL"}
     c_ops = {"indexer_k_quant_and_cache", "cp_gather_indexer_k_quant_cache", "top_k_per_row_prefill",
              "top_k_per_row_decode"}
     assert _routes((8, 0)) == _routes((8, 6)) == deep_gemm | triton_fp8 | c_ops
@@ -71,6 +72,10 @@ def test_capability_8x_gets_the_backend_without_flags_and_the_routes(vllm_tree):
     # vllm._custom_ops was imported after the plugin loaded: patched at its import (no _C here).
     assert r["top_k_per_row_prefill"] == "mla_ext.vllm._indexer_ops.top_k_per_row_prefill"
     assert "vllm._custom_ops.indexer_k_quant_and_cache" in r["routed"]
+    # The indexer's fp8 query padding: packed as bytes by vLLM's own kernel, and its JIT warmup
+    # registers that uint8 kernel (an fp8 one cannot compile below sm_89 and vLLM warms up by default).
+    assert r["pack_seq"]["fn"] == "mla_ext.vllm.seq_pack.pack_seq_triton" and r["pack_seq"]["rows_equal"]
+    assert r["pack_seq"]["warmup"] == [["PackSeqTritonKernel", "torch.uint8", 0]]
 
 
 def test_capability_9x_keeps_vllms_kernels(vllm_tree):
@@ -78,6 +83,8 @@ def test_capability_9x_keeps_vllms_kernels(vllm_tree):
     assert r["flashmla_sparse"] is None and r["custom"] == OURS
     assert r["routed"] == [] and r["waiting_before_import"] == []
     assert r["top_k_per_row_prefill"] == "vllm._custom_ops.top_k_per_row_prefill"
+    assert r["pack_seq"]["fn"] == "vllm.v1.attention.ops.common.pack_seq_triton"
+    assert r["pack_seq"]["warmup"] == [["PackSeqTritonKernel", "torch.float8_e4m3fn", float("-inf")]]
 
 
 def test_sparse_off_registers_nothing(vllm_tree):

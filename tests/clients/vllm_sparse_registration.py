@@ -12,6 +12,8 @@ import sys
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_PLUGINS", "mla_ext")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # vLLM keeps real Triton (in the interpreter) rather than its placeholder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stated_platform import install_stated_platform  # noqa: E402
@@ -35,7 +37,33 @@ def path(member: str):
 before = sorted(sparse_plugin._finder.waiting)
 import vllm._custom_ops as vllm_ops  # noqa: E402  (a routed module imported after the plugin loaded)
 
+
+
+def pack_check() -> dict:
+    """The indexer's fp8 query padding as vLLM's DSA indexer module now calls it (vLLM's kernel in
+    Triton's interpreter), and the fp8 JIT-warmup registration of that kernel."""
+    import torch
+    from vllm.model_executor.layers import sparse_attn_indexer as sai
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+    from vllm.v1.attention.ops import common
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 2, 8, generator=g) * 3).to(torch.float8_e4m3fn)
+    lengths = torch.tensor([2, 3], dtype=torch.int32)
+    packed = sai.pack_seq_triton(x, lengths)
+    b = packed.view(torch.uint8)
+    rows_equal = (packed.dtype == x.dtype and tuple(packed.shape) == (2, 3, 2, 8)
+                  and torch.equal(b[0, :2], x[:2].view(torch.uint8)) and torch.equal(b[1], x[2:].view(torch.uint8)))
+    registry = JitWarmupRegistry(None)
+    with registry.activate():
+        common._PACK_SEQ_TRITON_KERNEL.register_warmup(dtype=torch.float8_e4m3fn, pad_value=-float("inf"))
+    return {"fn": f"{sai.pack_seq_triton.__module__}.{sai.pack_seq_triton.__name__}", "rows_equal": bool(rows_equal),
+            "warmup": [[type(k).__name__, str(kw.get("dtype")), kw.get("pad_value")]
+                       for k, regs in registry._registrations.items() for _, kw in regs]}
+
+
 print(json.dumps({
+    "pack_seq": pack_check(),
     "flashmla_sparse": path("FLASHMLA_SPARSE"), "custom": path("CUSTOM"),
     "flash_attn_mla_sparse": path("FLASH_ATTN_MLA_SPARSE"),
     "waiting_before_import": before,
