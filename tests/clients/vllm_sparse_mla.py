@@ -20,10 +20,10 @@ and rotary caches. What mla_ext serves (the plugin's registration and ROUTES): t
 DeepGEMM logits ops and the _C indexer ops (top-k, indexer-cache write / gather).
 
 Stand-ins (plumbing only; none computes anything the comparison checks):
-* platform: vLLM's UnspecifiedPlatform with tensors on the CPU, no pinned memory, stating
-  capability 8.6, whose backend selection is CudaPlatformBase's own two methods (cuda.py is
-  imported with ``vllm._C_stable_libtorch`` as an empty module: vLLM's compiled library is not in
-  the pure-Python tree). is_cuda() stays False, so vLLM's CUDA-only fast paths that would call
+* platform (tests/clients/stated_platform.py): vLLM's UnspecifiedPlatform with tensors on the
+  CPU, no pinned memory, stating capability 8.6, whose backend selection is CudaPlatformBase's own
+  two methods (cuda.py is imported with ``vllm._C_stable_libtorch`` as an empty module: vLLM's
+  compiled library is not in the pure-Python tree). is_cuda() stays False, so vLLM's CUDA-only fast paths that would call
   compiled kernels (CuTe DSL fused_q, cooperative/persistent top-k, DeepGEMM metadata) are not
   taken: the decode top-k is vLLM's "per_row" choice (top_k_per_row_decode, mla_ext's).
 * distributed: a one-process gloo group (world size 1) for vLLM's TP/DCP/PCP state.
@@ -31,8 +31,12 @@ Stand-ins (plumbing only; none computes anything the comparison checks):
 * forward context: vLLM's ``set_forward_context`` with the metadata and slot mappings the model
   runner would pass; the KV caches are allocated here in the spec's shape and bound with the
   layers' own ``bind_kv_cache`` (what the runner does).
-* streams/events: ``torch.Stream`` / ``torch.Event`` on the CPU are replaced by no-op objects
-  (SparseMLAIndexGroup orders its top-k conversion on a side stream; the CPU has one stream).
+* streams/events: SparseMLAIndexGroup's side stream, events and current stream are no-op objects
+  (it orders its top-k conversion on a side stream; the CPU has one stream).
+* Triton: CUDA_VISIBLE_DEVICES="" so vLLM's Triton check (exactly one active GPU driver, relaxed
+  when the visible devices are set empty) keeps Triton; vLLM's kernels then run in Triton's
+  interpreter (TRITON_INTERPRET=1). The layer is built under the model dtype as torch's default
+  and run under no_grad, as vLLM's loader and runner do.
 * the batch description (CommonAttentionMetadata) is built here as the model runner would:
   decodes first, block tables from a seeded page layout, slots from them.
 Triton kernels of vLLM (top-k conversion, etc.) run in Triton's interpreter (TRITON_INTERPRET=1).
@@ -49,14 +53,12 @@ cache's dequantised keys, fused_q's quantised query and folded weights, float64)
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 import traceback
-import types
 from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -70,8 +72,9 @@ sys.path.insert(0, str(HERE.parent))  # tests/: helpers.sparse
 
 import torch  # noqa: E402
 
-import vllm.platforms  # noqa: E402
-from vllm.platforms.interface import DeviceCapability, UnspecifiedPlatform  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+
+from clients.stated_platform import install_stated_platform  # noqa: E402
 
 STATED = DeviceCapability(8, 6)
 BLOCK = 64  # the indexer cache insists on 64-token pages
@@ -83,46 +86,7 @@ MAX_LEN = 256
 STEPS = ((150, 160), (1, 40), (1, 1))
 
 
-def _cuda_platform_base():
-    # Stand-in: vLLM's compiled library is absent on the CPU; cuda.py only imports it.
-    sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
-    from vllm.platforms.cuda import CudaPlatformBase
-
-    return CudaPlatformBase
-
-
-class StatedPlatform(UnspecifiedPlatform):
-    """CPU tensors, capability 8.6, CUDA's backend selection (see the module docstring)."""
-
-    device_type = "cpu"
-    device_name = "cpu"
-    dispatch_key = "CPU"
-
-    @classmethod
-    def get_device_capability(cls, device_id: int = 0):
-        return STATED
-
-    @classmethod
-    def is_pin_memory_available(cls) -> bool:
-        return False
-
-    @classmethod
-    def num_compute_units(cls, device_id: int = 0) -> int:
-        return 4
-
-    @classmethod
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        return _cuda_platform_base().get_attn_backend_cls.__func__(cls, selected_backend, attn_selector_config,
-                                                                    num_heads)
-
-    @classmethod
-    def get_valid_backends(cls, device_capability, attn_selector_config, num_heads=None):
-        return _cuda_platform_base().get_valid_backends.__func__(cls, device_capability, attn_selector_config,
-                                                                  num_heads)
-
-
-vllm.platforms._current_platform = StatedPlatform()
-vllm.platforms.current_platform = vllm.platforms._current_platform
+install_stated_platform(f"{STATED.major}.{STATED.minor}", cuda_backend_selection=True)
 
 
 class _CpuStream:
@@ -166,10 +130,7 @@ def setup_vllm(tmp: str):
 
     index_group._create_side_stream = lambda device: _CpuStream()
     index_group._create_event = lambda: _CpuStream()
-    import vllm.utils.torch_utils as tu
-
-    if hasattr(tu, "current_stream"):
-        index_group.current_stream = lambda: _CpuStream()
+    index_group.current_stream = lambda: _CpuStream()
 
 
 # ----------------------------------------------------------------------------------------------
