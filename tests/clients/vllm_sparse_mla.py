@@ -33,6 +33,8 @@ Stand-ins (plumbing only; none computes anything the comparison checks):
   layers' own ``bind_kv_cache`` (what the runner does).
 * streams/events: SparseMLAIndexGroup's side stream, events and current stream are no-op objects
   (it orders its top-k conversion on a side stream; the CPU has one stream).
+* torch.cuda.is_current_stream_capturing() answers False (nothing is captured on the CPU; the
+  query itself needs a CUDA driver): asked on the dense-MHA prefill route.
 * Triton: CUDA_VISIBLE_DEVICES="" so vLLM's Triton check (exactly one active GPU driver, relaxed
   when the visible devices are set empty) keeps Triton; vLLM's kernels then run in Triton's
   interpreter (TRITON_INTERPRET=1). The layer is built under the model dtype as torch's default
@@ -131,6 +133,8 @@ def setup_vllm(tmp: str):
     index_group._create_side_stream = lambda device: _CpuStream()
     index_group._create_event = lambda: _CpuStream()
     index_group.current_stream = lambda: _CpuStream()
+    # No CUDA graph is ever being captured here (torch's query needs a CUDA driver).
+    torch.cuda.is_current_stream_capturing = lambda: False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,7 +157,8 @@ def tiny_transformers(family: str, topk: int, dtype: torch.dtype):
                       index_heads=4, index_dim=128, max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6, **extra)
 
 
-def vllm_config_for(model, tmp: str, kv_cache_dtype: str, dtype: torch.dtype, backend: str | None = None):
+def vllm_config_for(model, tmp: str, kv_cache_dtype: str, dtype: torch.dtype, backend: str | None = None,
+                    prefill: str | None = None):
     from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig
 
     path = Path(tmp) / f"{model.config.model_type}-{model.config.index_topk}"
@@ -164,7 +169,7 @@ def vllm_config_for(model, tmp: str, kv_cache_dtype: str, dtype: torch.dtype, ba
     mc = ModelConfig(model=str(path), tokenizer=str(path), skip_tokenizer_init=True,
                      dtype=str(dtype).removeprefix("torch."), max_model_len=MAX_LEN)
     return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK, cache_dtype=kv_cache_dtype),
-                      attention_config=AttentionConfig(backend=backend) if backend else AttentionConfig())
+                      attention_config=AttentionConfig(backend=backend, mla_prefill_backend=prefill))
 
 
 def selection(model, tmp) -> list[dict]:
@@ -451,7 +456,7 @@ def index_scores(q8, w, keys, start: int = 0) -> torch.Tensor:
     return sc.masked_fill(torch.arange(keys.shape[0]).unsqueeze(0) > t, float("-inf"))
 
 
-def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
+def compare_case(family, fmt, dtype, tmp, topk=TOPK, prefill=None) -> dict:
     """One model through vLLM's layer (three steps) and through transformers' module. A bf16
     model's reference is the same module in fp32 (its bf16 weights upcast) fed the bf16 inputs."""
     import copy
@@ -464,7 +469,7 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
     model = tiny_transformers(family, topk, dtype)
     ref_model = model if dtype == torch.float32 else copy.deepcopy(model).float()
     seed = SEEDS[family]
-    config = vllm_config_for(model, tmp, fmt, dtype)
+    config = vllm_config_for(model, tmp, fmt, dtype, prefill=prefill)
     with set_current_vllm_config(config):
         layer, topk_buffer = build_layer(model, config)
         totals = [sum(s[r] for s in STEPS) for r in range(len(STEPS[0]))]
@@ -487,6 +492,7 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
         hidden = [torch.randn(n, model.config.hidden_size, generator=g).to(dtype).float() for n in totals]
         steps = run_vllm(layer, topk_buffer, config, (mla_builder, idx_builder), hidden, block_table)
     rec = {"family": family, "kv_cache_dtype": fmt, "dtype": str(dtype).removeprefix("torch."), "topk": topk,
+           "prefill": prefill,
            "backend": f"{layer.attn_backend.__module__}.{layer.attn_backend.__qualname__}",
            "impl": f"{type(layer.impl).__module__}.{type(layer.impl).__qualname__}",
            "builder": f"{type(mla_builder).__module__}.{type(mla_builder).__qualname__}",
@@ -529,6 +535,7 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
             "max_err_own_same_rows": float((v["out"][same_tf] - own[same_tf]).abs().max()) if same_tf else None,
             "rel_own_same_rows": rel_fro(v["out"][same_tf], own[same_tf]) if same_tf else None,
             "max_err_dense": None if dense is None else float((v["out"] - dense).abs().max()),
+            "rel_dense": None if dense is None else rel_fro(v["out"], dense),
         })
     rec["requests"] = reqs
     rec["seconds"] = round(time.perf_counter() - t0, 1)
@@ -538,10 +545,17 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
 # (family, kv cache dtype, index_topk): 128 drops tokens (sequences of 152 and 201); 256 drops none
 # (the layer must then equal dense attention).
 F32, BF16 = torch.float32, torch.bfloat16
-CASES = [("deepseek_v32", "auto", TOPK, F32), ("glm_moe_dsa", "auto", TOPK, F32),
-         ("deepseek_v32", "fp8_ds_mla", TOPK, F32), ("glm_moe_dsa", "fp8_ds_mla", TOPK, F32),
-         ("deepseek_v32", "auto", 256, F32), ("glm_moe_dsa", "fp8_ds_mla", 256, F32),
-         ("deepseek_v32", "fp8_ds_mla", TOPK, BF16), ("glm_moe_dsa", "auto", TOPK, BF16)]
+# (family, kv cache dtype, index_topk, model dtype, MLA prefill backend): index_topk 128 drops tokens
+# (sequences of 152 and 201), 256 drops none. With no prefill backend (none serves this CPU
+# platform) every token takes the sparse path; with mla_ext's MLA_EXT prefill backend, vLLM runs
+# the prefills no longer than index_topk as dense MHA (its forward_mha) and only the decodes sparse.
+CASES = [("deepseek_v32", "auto", TOPK, F32, None), ("glm_moe_dsa", "auto", TOPK, F32, None),
+         ("deepseek_v32", "fp8_ds_mla", TOPK, F32, None), ("glm_moe_dsa", "fp8_ds_mla", TOPK, F32, None),
+         ("deepseek_v32", "auto", 256, F32, None), ("glm_moe_dsa", "fp8_ds_mla", 256, F32, None),
+         ("deepseek_v32", "fp8_ds_mla", TOPK, BF16, None), ("glm_moe_dsa", "auto", TOPK, BF16, None),
+         ("deepseek_v32", "auto", 256, F32, "MLA_EXT"),
+         # a bf16 model: the new tokens' latents (vLLM's dense MHA takes them fresh) equal the cache's
+         ("glm_moe_dsa", "auto", 256, BF16, "MLA_EXT")]
 
 
 def main() -> None:
@@ -555,14 +569,15 @@ def main() -> None:
             if only and family not in only:
                 continue
             result["selection"][family] = selection(tiny_transformers(family, TOPK, torch.float32), tmp)
-        for family, fmt, topk, dtype in CASES:
+        for family, fmt, topk, dtype, prefill in CASES:
             name = str(dtype).removeprefix("torch.")
-            if only and f"{family}:{fmt}:{topk}:{name}" not in only:
+            if only and f"{family}:{fmt}:{topk}:{name}:{prefill}" not in only:
                 continue
             try:
-                result["cases"].append(compare_case(family, fmt, dtype, tmp, topk))
+                result["cases"].append(compare_case(family, fmt, dtype, tmp, topk, prefill))
             except Exception as exc:  # noqa: BLE001 -- reported per case
-                result["cases"].append({"family": family, "kv_cache_dtype": fmt, "topk": topk, "dtype": name, "error": f"{type(exc).__name__}: {exc}",
+                result["cases"].append({"family": family, "kv_cache_dtype": fmt, "topk": topk, "dtype": name,
+                                        "prefill": prefill, "error": f"{type(exc).__name__}: {exc}",
                                         "traceback": traceback.format_exc()[-4000:]})
         result["routed"] = sorted(sparse_plugin.routed())
     print(json.dumps(result))
