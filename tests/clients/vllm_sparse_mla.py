@@ -456,6 +456,19 @@ def index_scores(q8, w, keys, start: int = 0) -> torch.Tensor:
     return sc.masked_fill(torch.arange(keys.shape[0]).unsqueeze(0) > t, float("-inf"))
 
 
+def exact_index_scores(model, hidden) -> torch.Tensor:
+    """transformers' indexer of layer 0 over one request's tokens in float64 (mla_ext's projection of
+    the module's own weights: tests/sparse compare it to the module), causal scores [n, n]."""
+    from mla_ext.integrations import transformers_indexer as ft
+    from mla_ext.sparse.reference import indexer_scores_reference
+
+    attn = model.layers[0].self_attn
+    n = hidden.shape[0]
+    cos, sin = model.rotary_emb(hidden[None], torch.arange(n)[None])
+    x = ft.project(attn, ft.IndexerParams.from_module(attn), hidden, cos[0], sin[0])
+    return indexer_scores_reference(x.q_idx, [x.k_idx], x.w_idx, [n], [0])[0]
+
+
 def compare_case(family, fmt, dtype, tmp, topk=TOPK, prefill=None) -> dict:
     """One model through vLLM's layer (three steps) and through transformers' module. A bf16
     model's reference is the same module in fp32 (its bf16 weights upcast) fed the bf16 inputs."""
@@ -516,19 +529,25 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK, prefill=None) -> dict:
         width = max(x.shape[1] for x in own_sel)  # min(index_topk, keys so far) per chunk
         own_sel = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1) for x in own_sel])
         scores = index_scores(v["q8"], v["w"], index_keys(layer, block_table, r, n))
+        exact = exact_index_scores(ref_model, hidden[r])
+        finite = torch.isfinite(exact)
+        if not torch.equal(finite, torch.isfinite(scores)):
+            raise AssertionError("vLLM's indexer scores and transformers' disagree on which positions are visible")
         visible = torch.tensor([min(topk, t + 1) for t in range(n)])
         ref_sel = scores.topk(min(topk, n), dim=-1).indices
         bad = tie_equivalent(v["sel"], ref_sel, scores, rtol=1e-5)
-        exact = sum({int(i) for i in v["sel"][t] if i >= 0} == {int(i) for i in ref_sel[t][:visible[t]]}
-                    for t in range(n))
+        same_ref = sum({int(i) for i in v["sel"][t] if i >= 0} == {int(i) for i in ref_sel[t][:visible[t]]}
+                       for t in range(n))
         same_tf = [t for t in range(n) if {int(i) for i in v["sel"][t] if i >= 0}
                    == {int(i) for i in own_sel[t] if 0 <= i <= t}]
         # the fp32 cache: its own latents equal what fed would feed (a check of the feeding itself)
         reqs.append({
             "tokens": n, "dropped_rows": int((torch.arange(n) + 1 > topk).sum()),
             "sel_counts_ok": bool(torch.equal((v["sel"] >= 0).sum(1), visible)),
-            "sel_bad_rows_vs_cache_scores": bad, "sel_exact_rows": exact,
-            "sel_tie_rows": n - exact - len(bad),
+            "sel_bad_rows_vs_cache_scores": bad, "sel_exact_rows": same_ref,
+            "sel_tie_rows": n - same_ref - len(bad),
+            # what vLLM's indexer holds (fp8 keys and queries) against transformers' indexer in float64
+            "index_scores_rel": rel_fro(scores[finite], exact[finite]),
             "sel_equal_transformers_rows": len(same_tf),
             "max_err_fed": float((v["out"] - fed).abs().max()), "rel_fed": rel_fro(v["out"], fed),
             "max_ref_fed": float(fed.abs().max()),
