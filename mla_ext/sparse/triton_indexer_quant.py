@@ -11,7 +11,6 @@ pairs (i, i + R/2) when neox, (2i, 2i + 1) otherwise, each written back in its o
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from mla_ext.attention.triton_latent import _pad, interpreting

@@ -37,26 +37,10 @@ os.environ.setdefault("VLLM_PLUGINS", "mla_ext")
 
 import torch  # noqa: E402
 
-import vllm.platforms  # noqa: E402
-from vllm.platforms.interface import DeviceCapability, UnspecifiedPlatform  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stated_platform import install_stated_platform  # noqa: E402
 
-
-class StatedPlatform(UnspecifiedPlatform):
-    device_type = "cpu"
-    device_name = "cpu"
-    dispatch_key = "CPU"
-
-    @classmethod
-    def get_device_capability(cls, device_id: int = 0):
-        return DeviceCapability(8, 6)
-
-    @classmethod
-    def is_pin_memory_available(cls) -> bool:
-        return False
-
-
-vllm.platforms._current_platform = StatedPlatform()
-vllm.platforms.current_platform = vllm.platforms._current_platform
+install_stated_platform("8.6")
 
 from vllm.plugins import load_general_plugins  # noqa: E402
 
