@@ -14,18 +14,26 @@ GlmMoeDsaForCausalLM to the same nvidia DeepseekV32ForCausalLM) -- with its inde
 (DeepseekV32Indexer, DeepseekV32IndexerCache), MLAAttention's construction, weight processing
 (W_UK_T / W_UV) and forward_impl, ``sparse_attn_indexer``, the indexer's metadata builder
 (DeepseekV32IndexerMetadataBuilder), the sparse backend's builder (a SparseMLACommonMetadataBuilder),
-SparseMLACommonImpl.forward_mqa with its top-k logical->physical conversion, vLLM's linear layers
-and rotary caches. What mla_ext serves (the plugin's registration and ROUTES): the backend class
-(FLASHMLA_SPARSE on 8.x and CUSTOM), fused_norm_rope / fused_q (no fp8e4nv below sm_89), the
-DeepGEMM logits ops and the _C indexer ops (top-k, indexer-cache write / gather).
+SparseMLACommonImpl.forward_mqa, vLLM's linear layers and rotary caches, and (with the MLA_EXT
+prefill backend configured, nothing to drop) the layer's dense-MHA prefill route (forward_mha).
+What mla_ext serves (the plugin's registration and ROUTES): the backend class (FLASHMLA_SPARSE on
+8.x, CUSTOM) and its kernel hook, fused_norm_rope / fused_q (no fp8e4nv below sm_89), the DeepGEMM
+logits ops and the _C indexer ops (top-k, indexer-cache gather). On the CPU mla_ext's impl also
+turns the logical top-k into cache slots itself (topk_to_slots) instead of vLLM's Triton kernel.
+
+Config mapping: transformers' config saved and read by vLLM's ModelConfig; rms_norm_eps 1e-6
+(transformers' GLM-5 latent RMSNorms ignore the config's eps, vLLM's use it) and, for GLM-5,
+indexer_rope_interleave=true as GLM-5's checkpoints state (transformers' GlmMoeDsaConfig drops the
+key; its indexer is always interleaved).
 
 Stand-ins (plumbing only; none computes anything the comparison checks):
 * platform (tests/clients/stated_platform.py): vLLM's UnspecifiedPlatform with tensors on the
   CPU, no pinned memory, stating capability 8.6, whose backend selection is CudaPlatformBase's own
   two methods (cuda.py is imported with ``vllm._C_stable_libtorch`` as an empty module: vLLM's
-  compiled library is not in the pure-Python tree). is_cuda() stays False, so vLLM's CUDA-only fast paths that would call
-  compiled kernels (CuTe DSL fused_q, cooperative/persistent top-k, DeepGEMM metadata) are not
-  taken: the decode top-k is vLLM's "per_row" choice (top_k_per_row_decode, mla_ext's).
+  compiled library is not in the pure-Python tree). is_cuda() stays False, so vLLM's CUDA-only
+  branches are not taken: the indexer builder asks for no DeepGEMM schedule metadata
+  (get_paged_mqa_logits_metadata is not called), the decode top-k is vLLM's "per_row" choice
+  (top_k_per_row_decode, mla_ext's) where a GPU would pick "persistent" (vLLM's _C).
 * distributed: a one-process gloo group (world size 1) for vLLM's TP/DCP/PCP state.
 * workspace manager: vLLM's own ``init_workspace_manager`` on the CPU device.
 * forward context: vLLM's ``set_forward_context`` with the metadata and slot mappings the model
@@ -41,17 +49,18 @@ Stand-ins (plumbing only; none computes anything the comparison checks):
   and run under no_grad, as vLLM's loader and runner do.
 * the batch description (CommonAttentionMetadata) is built here as the model runner would:
   decodes first, block tables from a seeded page layout, slots from them.
-Triton kernels of vLLM (top-k conversion, etc.) run in Triton's interpreter (TRITON_INTERPRET=1).
 
 The reference is transformers' own attention module of the same family with the same weights
 (tests/helpers/sparse.py builds it), run per request through the same steps with a DynamicCache:
 * ``own``: its own indexer (fp32 scoring); rows whose selected set equals vLLM's are compared;
 * ``fed``: its indexer's output replaced by vLLM's logical selection (its attention otherwise
-  untouched) -- every row compared; with fp8_ds_mla the latents it caches are replaced by the
-  cache's dequantised rows (what the cache holds);
+  untouched) -- every row compared; with fp8_ds_mla (or a bf16 model) the latents it caches are
+  replaced by the cache's rows, dequantised (what the cache holds); a bf16 model's reference is
+  the module in fp32;
 * ``dense``: its indexer's output replaced by every position (the causal mask limits it).
 vLLM's selection is checked against the top-k of the scores of what its indexer holds (the index
-cache's dequantised keys, fused_q's quantised query and folded weights, float64): equal up to ties.
+cache's dequantised keys, fused_q's quantised query and folded weights, float64): equal up to ties;
+those scores against transformers' indexer in float64: within e4m3 rounding.
 """
 from __future__ import annotations
 
@@ -488,7 +497,8 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK, prefill=None) -> dict:
         totals = [sum(s[r] for s in STEPS) for r in range(len(STEPS[0]))]
         per_req_blocks = [-(-n // BLOCK) for n in totals]
         num_blocks = sum(per_req_blocks) + 3
-        perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed + 7))[:sum(per_req_blocks)] + 1
+        gen = torch.Generator().manual_seed(seed + 7)
+        perm = torch.randperm(num_blocks - 1, generator=gen)[:sum(per_req_blocks)] + 1  # block 0 never used
         width = max(per_req_blocks)
         block_table = torch.zeros(len(totals), width, dtype=torch.int32)
         at = 0
