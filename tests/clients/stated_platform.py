@@ -2,12 +2,26 @@
 capability (or none), installed as vLLM's current platform before any vLLM module binds it."""
 from __future__ import annotations
 
+import sys
+import types
+
 import vllm.platforms
 from vllm.platforms.interface import DeviceCapability, UnspecifiedPlatform
 
 
-def install_stated_platform(stated: str) -> None:
-    """stated: "8.6"-style capability, or "none" for a platform without one."""
+def _cuda_platform_base():
+    # vLLM's compiled library is not in the pure-Python client tree; cuda.py only imports it.
+    sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+    from vllm.platforms.cuda import CudaPlatformBase
+
+    return CudaPlatformBase
+
+
+def install_stated_platform(stated: str, cuda_backend_selection: bool = False) -> None:
+    """stated: "8.6"-style capability, or "none" for a platform without one.
+    cuda_backend_selection: the attention backend is chosen by CudaPlatformBase's own
+    get_attn_backend_cls / get_valid_backends (CUDA's candidate list for the stated capability,
+    each candidate validated), not UnspecifiedPlatform's (none)."""
 
     class StatedPlatform(UnspecifiedPlatform):
         device_type = "cpu"
@@ -24,6 +38,21 @@ def install_stated_platform(stated: str) -> None:
         @classmethod
         def is_pin_memory_available(cls) -> bool:
             return False
+
+        @classmethod
+        def num_compute_units(cls, device_id: int = 0) -> int:
+            return 4  # sizes vLLM's per-SM buffers (the indexer's schedule metadata)
+
+        if cuda_backend_selection:
+            @classmethod
+            def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+                return _cuda_platform_base().get_attn_backend_cls.__func__(cls, selected_backend,
+                                                                            attn_selector_config, num_heads)
+
+            @classmethod
+            def get_valid_backends(cls, device_capability, attn_selector_config, num_heads=None):
+                return _cuda_platform_base().get_valid_backends.__func__(cls, device_capability,
+                                                                          attn_selector_config, num_heads)
 
     vllm.platforms._current_platform = StatedPlatform()
     vllm.platforms.current_platform = vllm.platforms._current_platform

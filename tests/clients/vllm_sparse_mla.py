@@ -14,49 +14,62 @@ GlmMoeDsaForCausalLM to the same nvidia DeepseekV32ForCausalLM) -- with its inde
 (DeepseekV32Indexer, DeepseekV32IndexerCache), MLAAttention's construction, weight processing
 (W_UK_T / W_UV) and forward_impl, ``sparse_attn_indexer``, the indexer's metadata builder
 (DeepseekV32IndexerMetadataBuilder), the sparse backend's builder (a SparseMLACommonMetadataBuilder),
-SparseMLACommonImpl.forward_mqa with its top-k logical->physical conversion, vLLM's linear layers
-and rotary caches. What mla_ext serves (the plugin's registration and ROUTES): the backend class
-(FLASHMLA_SPARSE on 8.x and CUSTOM), fused_norm_rope / fused_q (no fp8e4nv below sm_89), the
-DeepGEMM logits ops and the _C indexer ops (top-k, indexer-cache write / gather).
+SparseMLACommonImpl.forward_mqa, vLLM's linear layers and rotary caches, and (with the MLA_EXT
+prefill backend configured, nothing to drop) the layer's dense-MHA prefill route (forward_mha).
+What mla_ext serves (the plugin's registration and ROUTES): the backend class (FLASHMLA_SPARSE on
+8.x, CUSTOM) and its kernel hook, fused_norm_rope / fused_q (no fp8e4nv below sm_89), the DeepGEMM
+logits ops and the _C indexer ops (top-k, indexer-cache gather). On the CPU mla_ext's impl also
+turns the logical top-k into cache slots itself (topk_to_slots) instead of vLLM's Triton kernel.
+
+Config mapping: transformers' config saved and read by vLLM's ModelConfig; rms_norm_eps 1e-6
+(transformers' GLM-5 latent RMSNorms ignore the config's eps, vLLM's use it) and, for GLM-5,
+indexer_rope_interleave=true as GLM-5's checkpoints state (transformers' GlmMoeDsaConfig drops the
+key; its indexer is always interleaved).
 
 Stand-ins (plumbing only; none computes anything the comparison checks):
-* platform: vLLM's UnspecifiedPlatform with tensors on the CPU, no pinned memory, stating
-  capability 8.6, whose backend selection is CudaPlatformBase's own two methods (cuda.py is
-  imported with ``vllm._C_stable_libtorch`` as an empty module: vLLM's compiled library is not in
-  the pure-Python tree). is_cuda() stays False, so vLLM's CUDA-only fast paths that would call
-  compiled kernels (CuTe DSL fused_q, cooperative/persistent top-k, DeepGEMM metadata) are not
-  taken: the decode top-k is vLLM's "per_row" choice (top_k_per_row_decode, mla_ext's).
+* platform (tests/clients/stated_platform.py): vLLM's UnspecifiedPlatform with tensors on the
+  CPU, no pinned memory, stating capability 8.6, whose backend selection is CudaPlatformBase's own
+  two methods (cuda.py is imported with ``vllm._C_stable_libtorch`` as an empty module: vLLM's
+  compiled library is not in the pure-Python tree). is_cuda() stays False, so vLLM's CUDA-only
+  branches are not taken: the indexer builder asks for no DeepGEMM schedule metadata
+  (get_paged_mqa_logits_metadata is not called), the decode top-k is vLLM's "per_row" choice
+  (top_k_per_row_decode, mla_ext's) where a GPU would pick "persistent" (vLLM's _C).
 * distributed: a one-process gloo group (world size 1) for vLLM's TP/DCP/PCP state.
 * workspace manager: vLLM's own ``init_workspace_manager`` on the CPU device.
 * forward context: vLLM's ``set_forward_context`` with the metadata and slot mappings the model
   runner would pass; the KV caches are allocated here in the spec's shape and bound with the
   layers' own ``bind_kv_cache`` (what the runner does).
-* streams/events: ``torch.Stream`` / ``torch.Event`` on the CPU are replaced by no-op objects
-  (SparseMLAIndexGroup orders its top-k conversion on a side stream; the CPU has one stream).
+* streams/events: SparseMLAIndexGroup's side stream, events and current stream are no-op objects
+  (it orders its top-k conversion on a side stream; the CPU has one stream).
+* torch.cuda.is_current_stream_capturing() answers False (nothing is captured on the CPU; the
+  query itself needs a CUDA driver): asked on the dense-MHA prefill route.
+* Triton: CUDA_VISIBLE_DEVICES="" so vLLM's Triton check (exactly one active GPU driver, relaxed
+  when the visible devices are set empty) keeps Triton; vLLM's kernels then run in Triton's
+  interpreter (TRITON_INTERPRET=1). The layer is built under the model dtype as torch's default
+  and run under no_grad, as vLLM's loader and runner do.
 * the batch description (CommonAttentionMetadata) is built here as the model runner would:
   decodes first, block tables from a seeded page layout, slots from them.
-Triton kernels of vLLM (top-k conversion, etc.) run in Triton's interpreter (TRITON_INTERPRET=1).
 
 The reference is transformers' own attention module of the same family with the same weights
 (tests/helpers/sparse.py builds it), run per request through the same steps with a DynamicCache:
 * ``own``: its own indexer (fp32 scoring); rows whose selected set equals vLLM's are compared;
 * ``fed``: its indexer's output replaced by vLLM's logical selection (its attention otherwise
-  untouched) -- every row compared; with fp8_ds_mla the latents it caches are replaced by the
-  cache's dequantised rows (what the cache holds);
+  untouched) -- every row compared; with fp8_ds_mla (or a bf16 model) the latents it caches are
+  replaced by the cache's rows, dequantised (what the cache holds); a bf16 model's reference is
+  the module in fp32;
 * ``dense``: its indexer's output replaced by every position (the causal mask limits it).
 vLLM's selection is checked against the top-k of the scores of what its indexer holds (the index
-cache's dequantised keys, fused_q's quantised query and folded weights, float64): equal up to ties.
+cache's dequantised keys, fused_q's quantised query and folded weights, float64): equal up to ties;
+those scores against transformers' indexer in float64: within e4m3 rounding.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 import traceback
-import types
 from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -70,8 +83,9 @@ sys.path.insert(0, str(HERE.parent))  # tests/: helpers.sparse
 
 import torch  # noqa: E402
 
-import vllm.platforms  # noqa: E402
-from vllm.platforms.interface import DeviceCapability, UnspecifiedPlatform  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+
+from clients.stated_platform import install_stated_platform  # noqa: E402
 
 STATED = DeviceCapability(8, 6)
 BLOCK = 64  # the indexer cache insists on 64-token pages
@@ -83,46 +97,7 @@ MAX_LEN = 256
 STEPS = ((150, 160), (1, 40), (1, 1))
 
 
-def _cuda_platform_base():
-    # Stand-in: vLLM's compiled library is absent on the CPU; cuda.py only imports it.
-    sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
-    from vllm.platforms.cuda import CudaPlatformBase
-
-    return CudaPlatformBase
-
-
-class StatedPlatform(UnspecifiedPlatform):
-    """CPU tensors, capability 8.6, CUDA's backend selection (see the module docstring)."""
-
-    device_type = "cpu"
-    device_name = "cpu"
-    dispatch_key = "CPU"
-
-    @classmethod
-    def get_device_capability(cls, device_id: int = 0):
-        return STATED
-
-    @classmethod
-    def is_pin_memory_available(cls) -> bool:
-        return False
-
-    @classmethod
-    def num_compute_units(cls, device_id: int = 0) -> int:
-        return 4
-
-    @classmethod
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        return _cuda_platform_base().get_attn_backend_cls.__func__(cls, selected_backend, attn_selector_config,
-                                                                    num_heads)
-
-    @classmethod
-    def get_valid_backends(cls, device_capability, attn_selector_config, num_heads=None):
-        return _cuda_platform_base().get_valid_backends.__func__(cls, device_capability, attn_selector_config,
-                                                                  num_heads)
-
-
-vllm.platforms._current_platform = StatedPlatform()
-vllm.platforms.current_platform = vllm.platforms._current_platform
+install_stated_platform(f"{STATED.major}.{STATED.minor}", cuda_backend_selection=True)
 
 
 class _CpuStream:
@@ -166,10 +141,9 @@ def setup_vllm(tmp: str):
 
     index_group._create_side_stream = lambda device: _CpuStream()
     index_group._create_event = lambda: _CpuStream()
-    import vllm.utils.torch_utils as tu
-
-    if hasattr(tu, "current_stream"):
-        index_group.current_stream = lambda: _CpuStream()
+    index_group.current_stream = lambda: _CpuStream()
+    # No CUDA graph is ever being captured here (torch's query needs a CUDA driver).
+    torch.cuda.is_current_stream_capturing = lambda: False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +166,8 @@ def tiny_transformers(family: str, topk: int, dtype: torch.dtype):
                       index_heads=4, index_dim=128, max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6, **extra)
 
 
-def vllm_config_for(model, tmp: str, kv_cache_dtype: str, dtype: torch.dtype, backend: str | None = None):
+def vllm_config_for(model, tmp: str, kv_cache_dtype: str, dtype: torch.dtype, backend: str | None = None,
+                    prefill: str | None = None):
     from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig
 
     path = Path(tmp) / f"{model.config.model_type}-{model.config.index_topk}"
@@ -203,7 +178,7 @@ def vllm_config_for(model, tmp: str, kv_cache_dtype: str, dtype: torch.dtype, ba
     mc = ModelConfig(model=str(path), tokenizer=str(path), skip_tokenizer_init=True,
                      dtype=str(dtype).removeprefix("torch."), max_model_len=MAX_LEN)
     return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK, cache_dtype=kv_cache_dtype),
-                      attention_config=AttentionConfig(backend=backend) if backend else AttentionConfig())
+                      attention_config=AttentionConfig(backend=backend, mla_prefill_backend=prefill))
 
 
 def selection(model, tmp) -> list[dict]:
@@ -490,7 +465,20 @@ def index_scores(q8, w, keys, start: int = 0) -> torch.Tensor:
     return sc.masked_fill(torch.arange(keys.shape[0]).unsqueeze(0) > t, float("-inf"))
 
 
-def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
+def exact_index_scores(model, hidden) -> torch.Tensor:
+    """transformers' indexer of layer 0 over one request's tokens in float64 (mla_ext's projection of
+    the module's own weights: tests/sparse compare it to the module), causal scores [n, n]."""
+    from mla_ext.integrations import transformers_indexer as ft
+    from mla_ext.sparse.reference import indexer_scores_reference
+
+    attn = model.layers[0].self_attn
+    n = hidden.shape[0]
+    cos, sin = model.rotary_emb(hidden[None], torch.arange(n)[None])
+    x = ft.project(attn, ft.IndexerParams.from_module(attn), hidden, cos[0], sin[0])
+    return indexer_scores_reference(x.q_idx, [x.k_idx], x.w_idx, [n], [0])[0]
+
+
+def compare_case(family, fmt, dtype, tmp, topk=TOPK, prefill=None) -> dict:
     """One model through vLLM's layer (three steps) and through transformers' module. A bf16
     model's reference is the same module in fp32 (its bf16 weights upcast) fed the bf16 inputs."""
     import copy
@@ -503,13 +491,14 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
     model = tiny_transformers(family, topk, dtype)
     ref_model = model if dtype == torch.float32 else copy.deepcopy(model).float()
     seed = SEEDS[family]
-    config = vllm_config_for(model, tmp, fmt, dtype)
+    config = vllm_config_for(model, tmp, fmt, dtype, prefill=prefill)
     with set_current_vllm_config(config):
         layer, topk_buffer = build_layer(model, config)
         totals = [sum(s[r] for s in STEPS) for r in range(len(STEPS[0]))]
         per_req_blocks = [-(-n // BLOCK) for n in totals]
         num_blocks = sum(per_req_blocks) + 3
-        perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed + 7))[:sum(per_req_blocks)] + 1
+        gen = torch.Generator().manual_seed(seed + 7)
+        perm = torch.randperm(num_blocks - 1, generator=gen)[:sum(per_req_blocks)] + 1  # block 0 never used
         width = max(per_req_blocks)
         block_table = torch.zeros(len(totals), width, dtype=torch.int32)
         at = 0
@@ -526,6 +515,7 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
         hidden = [torch.randn(n, model.config.hidden_size, generator=g).to(dtype).float() for n in totals]
         steps = run_vllm(layer, topk_buffer, config, (mla_builder, idx_builder), hidden, block_table)
     rec = {"family": family, "kv_cache_dtype": fmt, "dtype": str(dtype).removeprefix("torch."), "topk": topk,
+           "prefill": prefill,
            "backend": f"{layer.attn_backend.__module__}.{layer.attn_backend.__qualname__}",
            "impl": f"{type(layer.impl).__module__}.{type(layer.impl).__qualname__}",
            "builder": f"{type(mla_builder).__module__}.{type(mla_builder).__qualname__}",
@@ -549,25 +539,32 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
         width = max(x.shape[1] for x in own_sel)  # min(index_topk, keys so far) per chunk
         own_sel = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1) for x in own_sel])
         scores = index_scores(v["q8"], v["w"], index_keys(layer, block_table, r, n))
+        exact = exact_index_scores(ref_model, hidden[r])
+        finite = torch.isfinite(exact)
+        if not torch.equal(finite, torch.isfinite(scores)):
+            raise AssertionError("vLLM's indexer scores and transformers' disagree on which positions are visible")
         visible = torch.tensor([min(topk, t + 1) for t in range(n)])
         ref_sel = scores.topk(min(topk, n), dim=-1).indices
         bad = tie_equivalent(v["sel"], ref_sel, scores, rtol=1e-5)
-        exact = sum({int(i) for i in v["sel"][t] if i >= 0} == {int(i) for i in ref_sel[t][:visible[t]]}
-                    for t in range(n))
+        same_ref = sum({int(i) for i in v["sel"][t] if i >= 0} == {int(i) for i in ref_sel[t][:visible[t]]}
+                       for t in range(n))
         same_tf = [t for t in range(n) if {int(i) for i in v["sel"][t] if i >= 0}
                    == {int(i) for i in own_sel[t] if 0 <= i <= t}]
         # the fp32 cache: its own latents equal what fed would feed (a check of the feeding itself)
         reqs.append({
             "tokens": n, "dropped_rows": int((torch.arange(n) + 1 > topk).sum()),
             "sel_counts_ok": bool(torch.equal((v["sel"] >= 0).sum(1), visible)),
-            "sel_bad_rows_vs_cache_scores": bad, "sel_exact_rows": exact,
-            "sel_tie_rows": n - exact - len(bad),
+            "sel_bad_rows_vs_cache_scores": bad, "sel_exact_rows": same_ref,
+            "sel_tie_rows": n - same_ref - len(bad),
+            # what vLLM's indexer holds (fp8 keys and queries) against transformers' indexer in float64
+            "index_scores_rel": rel_fro(scores[finite], exact[finite]),
             "sel_equal_transformers_rows": len(same_tf),
             "max_err_fed": float((v["out"] - fed).abs().max()), "rel_fed": rel_fro(v["out"], fed),
             "max_ref_fed": float(fed.abs().max()),
             "max_err_own_same_rows": float((v["out"][same_tf] - own[same_tf]).abs().max()) if same_tf else None,
             "rel_own_same_rows": rel_fro(v["out"][same_tf], own[same_tf]) if same_tf else None,
             "max_err_dense": None if dense is None else float((v["out"] - dense).abs().max()),
+            "rel_dense": None if dense is None else rel_fro(v["out"], dense),
         })
     rec["requests"] = reqs
     rec["seconds"] = round(time.perf_counter() - t0, 1)
@@ -577,10 +574,17 @@ def compare_case(family, fmt, dtype, tmp, topk=TOPK) -> dict:
 # (family, kv cache dtype, index_topk): 128 drops tokens (sequences of 152 and 201); 256 drops none
 # (the layer must then equal dense attention).
 F32, BF16 = torch.float32, torch.bfloat16
-CASES = [("deepseek_v32", "auto", TOPK, F32), ("glm_moe_dsa", "auto", TOPK, F32),
-         ("deepseek_v32", "fp8_ds_mla", TOPK, F32), ("glm_moe_dsa", "fp8_ds_mla", TOPK, F32),
-         ("deepseek_v32", "auto", 256, F32), ("glm_moe_dsa", "fp8_ds_mla", 256, F32),
-         ("deepseek_v32", "fp8_ds_mla", TOPK, BF16), ("glm_moe_dsa", "auto", TOPK, BF16)]
+# (family, kv cache dtype, index_topk, model dtype, MLA prefill backend): index_topk 128 drops tokens
+# (sequences of 152 and 201), 256 drops none. With no prefill backend (none serves this CPU
+# platform) every token takes the sparse path; with mla_ext's MLA_EXT prefill backend, vLLM runs
+# the prefills no longer than index_topk as dense MHA (its forward_mha) and only the decodes sparse.
+CASES = [("deepseek_v32", "auto", TOPK, F32, None), ("glm_moe_dsa", "auto", TOPK, F32, None),
+         ("deepseek_v32", "fp8_ds_mla", TOPK, F32, None), ("glm_moe_dsa", "fp8_ds_mla", TOPK, F32, None),
+         ("deepseek_v32", "auto", 256, F32, None), ("glm_moe_dsa", "fp8_ds_mla", 256, F32, None),
+         ("deepseek_v32", "fp8_ds_mla", TOPK, BF16, None), ("glm_moe_dsa", "auto", TOPK, BF16, None),
+         ("deepseek_v32", "auto", 256, F32, "MLA_EXT"),
+         # a bf16 model: the new tokens' latents (vLLM's dense MHA takes them fresh) equal the cache's
+         ("glm_moe_dsa", "auto", 256, BF16, "MLA_EXT")]
 
 
 def main() -> None:
@@ -594,14 +598,15 @@ def main() -> None:
             if only and family not in only:
                 continue
             result["selection"][family] = selection(tiny_transformers(family, TOPK, torch.float32), tmp)
-        for family, fmt, topk, dtype in CASES:
+        for family, fmt, topk, dtype, prefill in CASES:
             name = str(dtype).removeprefix("torch.")
-            if only and f"{family}:{fmt}:{topk}:{name}" not in only:
+            if only and f"{family}:{fmt}:{topk}:{name}:{prefill}" not in only:
                 continue
             try:
-                result["cases"].append(compare_case(family, fmt, dtype, tmp, topk))
+                result["cases"].append(compare_case(family, fmt, dtype, tmp, topk, prefill))
             except Exception as exc:  # noqa: BLE001 -- reported per case
-                result["cases"].append({"family": family, "kv_cache_dtype": fmt, "topk": topk, "dtype": name, "error": f"{type(exc).__name__}: {exc}",
+                result["cases"].append({"family": family, "kv_cache_dtype": fmt, "topk": topk, "dtype": name,
+                                        "prefill": prefill, "error": f"{type(exc).__name__}: {exc}",
                                         "traceback": traceback.format_exc()[-4000:]})
         result["routed"] = sorted(sparse_plugin.routed())
     print(json.dumps(result))
