@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from mla_ext.attention.latent_reference import split_kv_b_proj
+from mla_ext.cache.reference import decode_cache_rows
 
 PAD = -1
 
@@ -190,8 +191,6 @@ def sparse_latent_attention_slots_reference(
     block stride in rows). A slot that names no row of the cache (negative, offset >= block_size,
     block >= num_blocks) is no key; a token without a key gets o = 0, lse = -inf. Rows are
     decoded as the cache holds them (decode_cache_rows), the math in float64."""
-    from mla_ext.cache.reference import decode_cache_rows
-
     T, H, L = q_lat.shape
     R = q_pe.shape[-1]
     nb, B = kv_cache.shape[:2]

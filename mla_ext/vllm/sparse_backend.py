@@ -11,9 +11,7 @@ What is vLLM's and what is mla_ext's:
 * The builder is vLLM's SparseMLACommonMetadataBuilder (metadata, decode/prefill split,
   prefill chunk plans); graph capture is declared UNIFORM_BATCH (below).
 * The impl is vLLM's SparseMLACommonImpl: its forward_mqa turns the indexer's request-local
-  top-k into physical cache slots (vLLM's own conversion; on the CPU a torch equivalent,
-  `topk_to_slots`, since vLLM's Triton conversion cannot run in Triton's interpreter) and
-  calls the kernel hook `_forward_mqa_kernel`, which here is mla_ext's
+  top-k into physical cache slots (vLLM's own Triton conversion) and calls the kernel hook `_forward_mqa_kernel`, which here is mla_ext's
   `sparse_latent_attention_slots` (Triton on the GPU, every cache format decoded in the
   loader, software e4m3 below sm_89). Dense-MHA prefill (prefill no longer than index_topk)
   stays vLLM's (its MLA prefill backend).
@@ -141,22 +139,6 @@ class MlaExtSparseMLAMetadataBuilder(SparseMLACommonMetadataBuilder[MlaExtSparse
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
 
 
-def topk_to_slots(topk: torch.Tensor, req_id: torch.Tensor, block_table: torch.Tensor, block_size: int,
-                  block_stride_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's triton_convert_req_index_to_global_index in torch, for the CPU only (Triton's
-    interpreter lacks triton.next_power_of_2, which vLLM's launcher calls): (slots int32 [T, K],
-    valid counts int32 [T]) with slot = block_table[req, p // B] * block_stride_rows + p % B,
-    -1 where p < 0 or its block is outside the table row. Unlike vLLM's it does not move the
-    valid slots to the front: the attention does not depend on their order."""
-    p = topk.to(torch.int64)
-    stride = block_size if block_stride_rows is None else block_stride_rows
-    blk = torch.div(p, block_size, rounding_mode="floor")
-    ok = (p >= 0) & (blk < block_table.shape[1])
-    base = block_table.to(torch.int64)[req_id.to(torch.int64)[:, None], torch.where(ok, blk, 0)]
-    slots = torch.where(ok, base * stride + p % block_size, -1).to(torch.int32)
-    return slots, ok.sum(dim=1, dtype=torch.int32)
-
-
 class MlaExtSparseMLAImpl(SparseMLACommonImpl[MlaExtSparseMLAMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
@@ -173,17 +155,6 @@ class MlaExtSparseMLAImpl(SparseMLACommonImpl[MlaExtSparseMLAMetadata]):
                          topk_indices_buffer=topk_indices_buffer, **mla_args)
         # Queries stay in the model dtype: the kernel decodes the fp8 cache, it takes no fp8 query.
         self.supports_quant_query_input = False
-
-    def _convert_logical_to_physical_topk(self, logical_topk_indices: torch.Tensor, attn_metadata: Any, *,
-                                          block_stride_rows: int | None, return_valid_counts: bool):
-        if logical_topk_indices.device.type != "cpu":
-            return super()._convert_logical_to_physical_topk(
-                logical_topk_indices, attn_metadata, block_stride_rows=block_stride_rows,
-                return_valid_counts=return_valid_counts)
-        T = logical_topk_indices.shape[0]
-        slots, counts = topk_to_slots(logical_topk_indices, attn_metadata.req_id_per_token[:T],
-                                      attn_metadata.block_table, attn_metadata.block_size, block_stride_rows)
-        return (slots, counts) if return_valid_counts else slots
 
     def _forward_mqa_kernel(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                             topk_indices: torch.Tensor, valid_counts: torch.Tensor, *, layer: AttentionLayer,

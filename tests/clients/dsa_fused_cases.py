@@ -160,7 +160,7 @@ def _check_index_cache(ours, theirs, poison, B):
     assert changed_ours <= (tb != pb).sum() + (ob != tb).sum() and bool(same.any())
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, what: str, exact: bool) -> None:
+def _check_elementwise(a: torch.Tensor, b: torch.Tensor, what: str, exact: bool) -> None:
     """Element-wise results: bit-identical to vLLM's kernel (exact), else near (the reference)."""
     if exact:
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), what
@@ -182,7 +182,7 @@ def compare_norm_rope(name: str, ret, args, kwargs, other: dict, exact: bool) ->
         if out in ok:
             _near_floats(ok[out], tk[out], out)
     if "k_pe_out" in ok:
-        _same(ok["k_pe_out"], tk["k_pe_out"], "k_pe_out (element-wise RoPE)", exact)
+        _check_elementwise(ok["k_pe_out"], tk["k_pe_out"], "k_pe_out (element-wise RoPE)", exact)
     if "index_k_out" in ok and "slot_mapping" in ok:  # rows of padding slots are not written
         assert bool(ok["index_k_out"][ok["slot_mapping"] < 0].isnan().all())
     topk, has_idx = args[-1], ok["has_indexer"]
@@ -209,11 +209,11 @@ def compare_q(args, kwargs, ours, theirs, exact: bool) -> None:
         assert o.dtype == t.dtype and o.shape == t.shape
     iq, w, mqa = ours
     if kwargs["has_indexer"]:  # element-wise (RoPE, max, power-of-two scale)
-        _same(iq, theirs[0], "index_q_fp8", exact)
+        _check_elementwise(iq, theirs[0], "index_q_fp8", exact)
         if exact:
             assert torch.equal(w, theirs[1]), "index_weights_out"
         else:
             _near_floats(w, theirs[1], "index_weights_out")
-    _same(mqa, theirs[2], "mqa_q", exact)
+    _check_elementwise(mqa, theirs[2], "mqa_q", exact)
     if kwargs["quantize_mqa"] and args[6].item() <= 0.5:  # ql_nope * 60 / q_scale: some saturate at 448
         assert bool((mqa.view(torch.uint8)[..., :L_NOPE] & 0x7F == 0x7E).any())

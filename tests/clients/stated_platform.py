@@ -1,5 +1,6 @@
 """Plumbing for the vLLM runner scripts: vLLM's UnspecifiedPlatform, CPU-typed, stating a GPU compute
-capability (or none), installed as vLLM's current platform before any vLLM module binds it."""
+capability (or none), installed as vLLM's current platform before any vLLM module binds it; and
+no-op streams/events for vLLM's sparse index group (the CPU has one stream)."""
 from __future__ import annotations
 
 import sys
@@ -56,3 +57,40 @@ def install_stated_platform(stated: str, cuda_backend_selection: bool = False) -
 
     vllm.platforms._current_platform = StatedPlatform()
     vllm.platforms.current_platform = vllm.platforms._current_platform
+
+
+class _CpuStream:
+    """No-op stream/event (stand-in for torch.Stream / torch.Event on the CPU's single stream)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def install_cpu_streams() -> None:
+    """vLLM's SparseMLAIndexGroup orders its top-k -> slot conversion on a side stream with events:
+    no-op objects here; and no CUDA graph is ever being captured (torch's query needs a driver)."""
+    import torch
+    from vllm.v1.attention.backends.mla import index_group
+
+    index_group._create_side_stream = lambda device: _CpuStream()
+    index_group._create_event = lambda: _CpuStream()
+    index_group.current_stream = lambda: _CpuStream()
+    torch.cuda.is_current_stream_capturing = lambda: False

@@ -48,7 +48,7 @@ def test_vllms_builder_builds_a_mixed_batch(result, i):
     assert (b["cls"], b["metadata"], b["cudagraph"]) == ("MlaExtSparseMLAMetadataBuilder", "MlaExtSparseMLAMetadata",
                                                          "UNIFORM_BATCH")
     assert (b["num_decodes"], b["num_prefills"], b["num_decode_tokens"]) == (2, 2, 2) and b["has_prefill"]
-    assert b["topk_tokens"] == 16 and b["block_size"] == 64
+    assert b["topk_tokens"] == 128 and b["block_size"] == 64
     assert b["req_id_per_token"] == [0, 1] + [2] * 5 + [3] * 3
 
 

@@ -1,4 +1,4 @@
-"""Issue 29's proof on the CPU: vLLM 0.33's own DSA code, stating compute capability 8.6, selects
+"""DSA on capability 8.x, proven on the CPU: vLLM 0.33's own DSA code, stating compute capability 8.6, selects
 mla_ext's sparse MLA backend, builds a mixed prefill/decode batch's metadata with its own builders
 and runs its DeepSeek-V3.2 / GLM-5 attention layer (DeepseekV32Attention, sparse_attn_indexer and
 the impl's forward) on mla_ext's ops; the layer equals transformers' module past index_topk and

@@ -13,7 +13,9 @@ Plumbing only, stated: the platform class (vLLM's UnspecifiedPlatform, CPU-typed
 memory, capability 8.6); the per-token request ids of CommonAttentionMetadata (vLLM makes them
 with a Triton kernel, a placeholder where vLLM runs without Triton); a one-process gloo group for vLLM's TP state; the attention layer the
 builder looks up in static_forward_context is a namespace holding only its prefill backend;
-kv_b_proj is None (forward_mqa never touches it); the cache is written by mla_ext's writer.
+kv_b_proj is None (forward_mqa never touches it); the cache is written by mla_ext's writer;
+no-op streams/events for the index group's side stream (stated_platform.install_cpu_streams);
+CUDA_VISIBLE_DEVICES="" so vLLM keeps Triton, whose kernels run in the interpreter.
 The expected output comes from mla_ext's float64 reference over slots computed here by plain
 arithmetic from the block table.
 """
@@ -27,11 +29,17 @@ import types
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_PLUGINS", "mla_ext")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# Stand-in: vLLM keeps real Triton (here its interpreter: the top-k -> slot conversion) only where the
+# visible devices are set empty; otherwise, with no GPU driver, it swaps in its placeholder.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from stated_platform import install_stated_platform  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+from helpers.numeric import rel_fro as rel  # noqa: E402
+from stated_platform import install_cpu_streams, install_stated_platform  # noqa: E402
 
 install_stated_platform("8.6")
 
@@ -39,6 +47,7 @@ install_stated_platform("8.6")
 from vllm.plugins import load_general_plugins  # noqa: E402
 
 load_general_plugins()
+install_cpu_streams()
 
 import transformers  # noqa: E402
 from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
@@ -55,7 +64,7 @@ from mla_ext.sparse.reference import sparse_latent_attention_slots_reference  # 
 from mla_ext.vllm import plugin  # noqa: E402
 
 CAPABILITY = DeviceCapability(8, 6)
-H, P, V, L, R, B, TOPK = 4, 32, 32, 512, 64, 64, 16
+H, P, V, L, R, B, TOPK = 4, 32, 32, 512, 64, 64, 128  # vLLM converts top-k in 128-wide tiles
 LAYER = "model.layers.0.self_attn.attn"
 # Mixed batch, decodes first as vLLM orders them: (context, new tokens) per request.
 REQS = [(70, 1), (130, 1), (40, 5), (0, 3)]
@@ -70,10 +79,6 @@ def model_config(folder: str) -> ModelConfig:
         n_group=1, topk_group=1)
     cfg.save_pretrained(folder)
     return ModelConfig(model=folder, tokenizer=folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def batch(g: torch.Generator, num_blocks: int):

@@ -18,8 +18,8 @@ SparseMLACommonImpl.forward_mqa, vLLM's linear layers and rotary caches, and (wi
 prefill backend configured, nothing to drop) the layer's dense-MHA prefill route (forward_mha).
 What mla_ext serves (the plugin's registration and ROUTES): the backend class (FLASHMLA_SPARSE on
 8.x, CUSTOM) and its kernel hook, fused_norm_rope / fused_q (no fp8e4nv below sm_89), the DeepGEMM
-logits ops and the _C indexer ops (top-k, indexer-cache gather). On the CPU mla_ext's impl also
-turns the logical top-k into cache slots itself (topk_to_slots) instead of vLLM's Triton kernel.
+logits ops and the _C indexer ops (top-k, indexer-cache gather). vLLM's own Triton kernels (the
+top-k -> cache-slot conversion among them) run in Triton's interpreter.
 
 Config mapping: transformers' config saved and read by vLLM's ModelConfig; rms_norm_eps 1e-6
 (transformers' GLM-5 latent RMSNorms ignore the config's eps, vLLM's use it) and, for GLM-5,
@@ -85,7 +85,7 @@ import torch  # noqa: E402
 
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 
-from clients.stated_platform import install_stated_platform  # noqa: E402
+from clients.stated_platform import install_cpu_streams, install_stated_platform  # noqa: E402
 
 STATED = DeviceCapability(8, 6)
 BLOCK = 64  # the indexer cache insists on 64-token pages
@@ -100,31 +100,6 @@ STEPS = ((150, 160), (1, 40), (1, 1))
 install_stated_platform(f"{STATED.major}.{STATED.minor}", cuda_backend_selection=True)
 
 
-class _CpuStream:
-    """No-op stream/event (stand-in for torch.Stream / torch.Event on the CPU's single stream)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, *args):
-        pass
-
-    def wait_event(self, *args):
-        pass
-
-    def wait_stream(self, *args):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def setup_vllm(tmp: str):
     from vllm.distributed import parallel_state
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -137,13 +112,7 @@ def setup_vllm(tmp: str):
     with set_current_vllm_config(VllmConfig()):
         parallel_state.initialize_model_parallel(1, 1)
     init_workspace_manager(torch.device("cpu"))
-    from vllm.v1.attention.backends.mla import index_group
-
-    index_group._create_side_stream = lambda device: _CpuStream()
-    index_group._create_event = lambda: _CpuStream()
-    index_group.current_stream = lambda: _CpuStream()
-    # No CUDA graph is ever being captured here (torch's query needs a CUDA driver).
-    torch.cuda.is_current_stream_capturing = lambda: False
+    install_cpu_streams()
 
 
 # ----------------------------------------------------------------------------------------------
