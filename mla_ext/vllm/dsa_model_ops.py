@@ -18,12 +18,15 @@ indexer cache's scales are fp32, as vLLM writes them everywhere but SM100 (MX sc
 Reference: dsa_model_ops_reference.py."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from mla_ext.cache import api as cache_api
 from mla_ext.cache.reference import quantize_fp8_per_tensor
 from mla_ext.config.formats import QuantMode, get_format
+from mla_ext.dispatch import Backend, Dispatcher, report_device
 from mla_ext.sparse.index_cache import write_index_cache
 from mla_ext.sparse.index_cache_torch import quantize_fp8_rows
 
@@ -176,32 +179,40 @@ class _Naming:
         return False
 
 
-def _write_latent(kv_n: Tensor, kpe_r: Tensor, cache: Tensor, slots: Tensor, kv_cache_dtype: str,
-                  k_scale: Tensor | None, skip_scale: bool) -> None:
-    """[kv_c_normed, k_pe_roped] (fp32) into the MLA cache at slots (negative skipped), as vLLM's
-    kernel: native formats store the fp32 values rounded to the cache's dtype; fp8 stores
-    saturate(x / k_scale) (x itself when skip_scale); fp8_ds_mla per-128 power-of-two scales."""
+def _check_latent(cache: Tensor, kv_cache_dtype: str, k_scale: Tensor | None, skip_scale: bool):
+    """The MLA cache's format (served, and cache's dtype fits it) and the fp8 per-tensor scale its
+    writer divides by (None: 1, as for every other format, skip_scale or no k_scale)."""
     fmt = get_format(kv_cache_dtype, "mla_kv_cache_dtype")
     if fmt.name in _REFUSED_MLA_FORMATS:
         raise ValueError(f"mla_kv_cache_dtype: {fmt.name!r} is not served by mla_ext's fused_norm_rope "
                          f"({_REFUSED_MLA_FORMATS[fmt.name]}); expected auto, bfloat16, float16, fp8 or fp8_ds_mla")
-    ones = torch.ones(1, dtype=torch.float32, device=cache.device)
     if fmt.quant_mode == QuantMode.NONE:
         if cache.dtype not in _FLOATS:
             raise ValueError(f"mla_kv_cache: a {fmt.name!r} cache holds bf16/fp16/fp32, got {cache.dtype}")
+        return fmt, None
+    if cache.element_size() != 1:
+        raise ValueError(f"mla_kv_cache: a {fmt.name!r} cache holds bytes (uint8 or float8), got {cache.dtype}")
+    if fmt.quant_mode == QuantMode.FP8_PER_TENSOR and not skip_scale and k_scale is not None:
+        if not isinstance(k_scale, Tensor) or k_scale.numel() != 1 or k_scale.dtype != torch.float32 \
+                or k_scale.device != cache.device:
+            raise ValueError(f"mla_k_scale: expected a float32 tensor with one element on {cache.device}, "
+                             f"got {k_scale!r}")
+        return fmt, k_scale.reshape(1)
+    return fmt, None
+
+
+def _write_latent(kv_n: Tensor, kpe_r: Tensor, cache: Tensor, slots: Tensor, fmt, scale: Tensor | None) -> None:
+    """[kv_c_normed, k_pe_roped] (fp32) into the MLA cache at slots (negative skipped), as vLLM's
+    kernel: native formats store the fp32 values rounded to the cache's dtype; fp8 stores
+    saturate(x / scale); fp8_ds_mla per-128 power-of-two scales. `fmt`, `scale`: _check_latent's."""
+    ones = torch.ones(1, dtype=torch.float32, device=cache.device)
+    if fmt.quant_mode == QuantMode.NONE:
         with _Naming("mla_kv_cache"):
             cache_api.concat_and_cache_mla(kv_n.to(cache.dtype), kpe_r.to(cache.dtype), cache, slots, "auto", ones)
         return
-    if cache.element_size() != 1:
-        raise ValueError(f"mla_kv_cache: a {fmt.name!r} cache holds bytes (uint8 or float8), got {cache.dtype}")
-    cache = cache.view(torch.uint8)
-    scale = ones
-    if fmt.quant_mode == QuantMode.FP8_PER_TENSOR and not skip_scale and k_scale is not None:
-        if not isinstance(k_scale, Tensor) or k_scale.numel() != 1 or k_scale.dtype != torch.float32:
-            raise ValueError(f"mla_k_scale: expected a float32 tensor with one element, got {k_scale!r}")
-        scale = k_scale.reshape(1)
     with _Naming(f"mla_kv_cache ({fmt.name})"):
-        cache_api.concat_and_cache_mla(kv_n, kpe_r, cache, slots, fmt.name, scale)
+        cache_api.concat_and_cache_mla(kv_n, kpe_r, cache.view(torch.uint8), slots, fmt.name,
+                                       ones if scale is None else scale)
 
 
 def _write_index_shuffled(k: Tensor, cache: Tensor, slots: Tensor) -> None:
@@ -226,18 +237,22 @@ def _write_index_shuffled(k: Tensor, cache: Tensor, slots: Tensor) -> None:
     page[blk[:, None], scol] = scale.reshape(-1, 1).contiguous().view(torch.uint8)
 
 
-def _write_index(k: Tensor, cache, slots: Tensor, shuffled: bool) -> None:
-    """Index key k [T, D] (fp32) into the fp8 index cache: e4m3 values + one ue8m0 fp32 scale."""
+def _check_index_cache(cache, D: int, device) -> Tensor:
+    """The fp8 index cache [num_blocks, block_size, D + 4] as uint8 (e4m3 values + fp32 scale)."""
     if not isinstance(cache, Tensor) or cache.dim() != 3 or cache.element_size() != 1:
         raise ValueError(f"indexer_k_cache: expected a 3-D uint8/float8 tensor [num_blocks, block_size, "
-                         f"{k.shape[1] + 4}], got {getattr(cache, 'dtype', type(cache).__name__)} "
+                         f"{D + 4}], got {getattr(cache, 'dtype', type(cache).__name__)} "
                          f"{tuple(getattr(cache, 'shape', ()))}")
-    if cache.shape[2] != k.shape[1] + 4:
-        raise ValueError(f"indexer_k_cache: rows of {cache.shape[2]} bytes, expected {k.shape[1] + 4} "
+    if cache.shape[2] != D + 4:
+        raise ValueError(f"indexer_k_cache: rows of {cache.shape[2]} bytes, expected {D + 4} "
                          f"(index_head_dim e4m3 values + one fp32 scale, as vLLM's fused kernel writes)")
-    if cache.device != k.device:
-        raise ValueError(f"indexer_k_cache: expected a tensor on {k.device}, got {cache.device}")
-    cache = cache.view(torch.uint8)
+    if cache.device != device:
+        raise ValueError(f"indexer_k_cache: expected a tensor on {device}, got {cache.device}")
+    return cache.view(torch.uint8)
+
+
+def _write_index(k: Tensor, cache: Tensor, slots: Tensor, shuffled: bool) -> None:
+    """Index key k [T, D] (fp32) into the checked uint8 index cache: e4m3 values + one ue8m0 fp32 scale."""
     if shuffled:
         _write_index_shuffled(k, cache, slots)
     else:
@@ -293,7 +308,7 @@ def fused_norm_rope(
     _rows(kv_c, "kv_c", 2, T, dev)
     _weight(kv_rms_norm_w, "kv_rms_norm_w", kv_c.shape[1], dev)
     _rows(k_pe, "k_pe", 2, T, dev)
-    k_half = _rope_half(k_rope_cos_sin_cache, "k_rope_cos_sin_cache", k_pe.shape[1], dev, exact=True)
+    _rope_half(k_rope_cos_sin_cache, "k_rope_cos_sin_cache", k_pe.shape[1], dev, exact=True)
     _tensor(topk_indices_buffer, "topk_indices_buffer", 2, _INTS, dev)
     if has_indexer and topk_indices_buffer.shape[0] < T:
         raise ValueError(f"topk_indices_buffer: expected at least {T} rows, got {tuple(topk_indices_buffer.shape)}")
@@ -306,7 +321,7 @@ def fused_norm_rope(
         D = index_k.shape[1]
         _weight(index_k_layer_norm_w, "index_k_layer_norm_w", D, dev)
         _weight(index_k_layer_norm_bias, "index_k_layer_norm_bias", D, dev)
-        i_half = _rope_half(index_k_rope_cos_sin_cache, "index_k_rope_cos_sin_cache", D, dev, exact=False)
+        _rope_half(index_k_rope_cos_sin_cache, "index_k_rope_cos_sin_cache", D, dev, exact=False)
         rope_caches.append(("index_k_rope_cos_sin_cache", index_k_rope_cos_sin_cache))
         if index_k_out is not None:
             _out(index_k_out, "index_k_out", index_k)
@@ -319,37 +334,169 @@ def fused_norm_rope(
     if indexer_k_cache is not None or mla_kv_cache is not None:
         if slot_mapping is None:
             raise ValueError("slot_mapping: required when mla_kv_cache or indexer_k_cache is given")
-        slots = _slots(slot_mapping, "slot_mapping", T, dev)
+        _slots(slot_mapping, "slot_mapping", T, dev)
     else:
-        slots = None  # vLLM's kernel ignores the slots without a cache
+        slot_mapping = indexer_slot_mapping = None  # vLLM's kernel ignores the slots without a cache
     _check_positions(positions, rope_caches)
+    fmt = scale = None
+    if mla_kv_cache is not None:
+        fmt, scale = _check_latent(mla_kv_cache, mla_kv_cache_dtype, mla_k_scale, skip_scale)
+    if indexer_k_cache is not None:
+        indexer_k_cache = _check_index_cache(indexer_k_cache, index_k.shape[1], dev)
+        if indexer_slot_mapping is not None:
+            _slots(indexer_slot_mapping, "indexer_slot_mapping", T, dev)
+        else:
+            indexer_slot_mapping = slot_mapping
 
     q_out = torch.empty_like(q_c) if q_c_out is None else q_c_out
-    q_out.copy_(_rms_norm(q_c, q_rms_norm_w, q_rms_eps))
-    if has_indexer:
-        topk_indices_buffer[:T].fill_(-1)
-
-    if kv_c_out is not None or k_pe_out is not None or mla_kv_cache is not None:
-        kv_n = _rms_norm(kv_c, kv_rms_norm_w, kv_rms_eps)
-        kpe_r = rope_interleaved(k_pe.float(), *_cos_sin(k_rope_cos_sin_cache, positions, k_half))
-        if kv_c_out is not None:
-            kv_c_out.copy_(kv_n)
-        if k_pe_out is not None:
-            k_pe_out.copy_(kpe_r)
-        if mla_kv_cache is not None:
-            _write_latent(kv_n, kpe_r, mla_kv_cache, slots, mla_kv_cache_dtype, mla_k_scale, skip_scale)
-
-    if has_indexer and (index_k_out is not None or indexer_k_cache is not None):
-        k = _layer_norm(index_k, index_k_layer_norm_w, index_k_layer_norm_bias, index_k_layer_norm_eps)
-        k = rope_prefix(k, *_cos_sin(index_k_rope_cos_sin_cache, positions, i_half), index_rope_interleave)
-        live = None if slots is None else slots >= 0  # vLLM's kernel skips the indexer where the MLA slot < 0
-        if index_k_out is not None:
-            index_k_out.copy_(k if live is None else torch.where(live[:, None], k.to(index_k_out.dtype), index_k_out))
-        if indexer_k_cache is not None:
-            islots = slots if indexer_slot_mapping is None else _slots(indexer_slot_mapping, "indexer_slot_mapping",
-                                                                        T, dev)
-            _write_index(k, indexer_k_cache, torch.where(live, islots, -1), indexer_cache_shuffled)
+    NORM_ROPE(NormRopeInputs(
+        positions, q_c, q_rms_norm_w, q_rms_eps, kv_c, kv_rms_norm_w, kv_rms_eps, k_pe, k_rope_cos_sin_cache,
+        index_k, index_k_layer_norm_w, index_k_layer_norm_bias, index_k_layer_norm_eps, index_k_rope_cos_sin_cache,
+        topk_indices_buffer, slot_mapping, indexer_slot_mapping, indexer_k_cache, bool(indexer_cache_shuffled),
+        mla_kv_cache, fmt, scale, bool(has_indexer), bool(index_rope_interleave), q_out, kv_c_out, k_pe_out,
+        index_k_out))
     return q_out
+
+
+@dataclass(frozen=True)
+class NormRopeInputs:
+    """fused_norm_rope's checked arguments (slot tensors raw, with at least T entries; None without
+    caches; indexer_slot_mapping defaulted to slot_mapping), the MLA cache's format and the fp8
+    per-tensor scale (_check_latent), the index cache as uint8, and q_out allocated."""
+    positions: Tensor
+    q_c: Tensor
+    q_rms_norm_w: Tensor
+    q_rms_eps: float
+    kv_c: Tensor
+    kv_rms_norm_w: Tensor
+    kv_rms_eps: float
+    k_pe: Tensor
+    k_rope_cos_sin_cache: Tensor
+    index_k: Tensor | None
+    index_k_layer_norm_w: Tensor | None
+    index_k_layer_norm_bias: Tensor | None
+    index_k_layer_norm_eps: float
+    index_k_rope_cos_sin_cache: Tensor | None
+    topk_indices_buffer: Tensor
+    slot_mapping: Tensor | None
+    indexer_slot_mapping: Tensor | None
+    indexer_k_cache: Tensor | None
+    indexer_cache_shuffled: bool
+    mla_kv_cache: Tensor | None
+    mla_format: object
+    mla_k_scale: Tensor | None
+    has_indexer: bool
+    index_rope_interleave: bool
+    q_out: Tensor
+    kv_c_out: Tensor | None
+    k_pe_out: Tensor | None
+    index_k_out: Tensor | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+
+def _norm_rope_torch(x: NormRopeInputs) -> None:
+    """The CPU path: torch ops in fp32 and mla_ext's cache writers (about 20-40 launches)."""
+    T = x.positions.shape[0]
+    x.q_out.copy_(_rms_norm(x.q_c, x.q_rms_norm_w, x.q_rms_eps))
+    if x.has_indexer:
+        x.topk_indices_buffer[:T].fill_(-1)
+    slots = None if x.slot_mapping is None else x.slot_mapping[:T].to(torch.int64)
+    if x.kv_c_out is not None or x.k_pe_out is not None or x.mla_kv_cache is not None:
+        kv_n = _rms_norm(x.kv_c, x.kv_rms_norm_w, x.kv_rms_eps)
+        half = x.k_rope_cos_sin_cache.shape[1] // 2
+        kpe_r = rope_interleaved(x.k_pe.float(), *_cos_sin(x.k_rope_cos_sin_cache, x.positions, half))
+        if x.kv_c_out is not None:
+            x.kv_c_out.copy_(kv_n)
+        if x.k_pe_out is not None:
+            x.k_pe_out.copy_(kpe_r)
+        if x.mla_kv_cache is not None:
+            _write_latent(kv_n, kpe_r, x.mla_kv_cache, slots, x.mla_format, x.mla_k_scale)
+
+    if x.has_indexer and (x.index_k_out is not None or x.indexer_k_cache is not None):
+        k = _layer_norm(x.index_k, x.index_k_layer_norm_w, x.index_k_layer_norm_bias, x.index_k_layer_norm_eps)
+        half = x.index_k_rope_cos_sin_cache.shape[1] // 2
+        k = rope_prefix(k, *_cos_sin(x.index_k_rope_cos_sin_cache, x.positions, half), x.index_rope_interleave)
+        live = None if slots is None else slots >= 0  # vLLM's kernel skips the indexer where the MLA slot < 0
+        if x.index_k_out is not None:
+            out = x.index_k_out
+            out.copy_(k if live is None else torch.where(live[:, None], k.to(out.dtype), out))
+        if x.indexer_k_cache is not None:
+            islots = x.indexer_slot_mapping[:T].to(torch.int64)
+            _write_index(k, x.indexer_k_cache, torch.where(live, islots, -1), x.indexer_cache_shuffled)
+
+
+def _unit_last(**tensors) -> list[str]:
+    return [f"{n}: a last-dim stride of {t.stride(-1)} (the kernel reads unit-stride rows)"
+            for n, t in tensors.items() if t is not None and t.numel() > 1 and t.stride(-1) != 1]
+
+
+def _mla_mode(x: NormRopeInputs) -> tuple[int, list[str]]:
+    """The Triton kernel's MLA-cache mode, or why it does not write this cache."""
+    from mla_ext.vllm import triton_dsa_model_ops as K
+
+    c = x.mla_kv_cache
+    if c is None:
+        return K.MLA_NONE, []
+    L, R, qm = x.kv_c.shape[1], x.k_pe.shape[1], x.mla_format.quant_mode
+    if c.stride(2) != 1:
+        return -1, ["mla_kv_cache: rows are not contiguous"]
+    if qm == QuantMode.FP8_PER_TILE:
+        if L != 512 or R != 64 or c.shape[2] * c.element_size() != 656:
+            return -1, [f"fp8_ds_mla with L={L}, R={R}, entry {c.shape[2]} (the kernel writes 512 + 64 into 656 B)"]
+        return K.MLA_DS, []
+    if c.shape[2] != L + R:
+        return -1, [f"mla_kv_cache: entry {c.shape[2]}, the kernel writes L + R = {L + R}"]
+    if qm == QuantMode.NONE:
+        return K.MLA_NATIVE, []
+    if qm == QuantMode.FP8_PER_TENSOR and x.mla_format.fp8_dtype == FP8:
+        return K.MLA_FP8, []
+    return -1, [f"mla cache format {x.mla_format.name!r}: the torch path writes it"]
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def _norm_rope_triton_reasons(x: NormRopeInputs) -> list[str]:
+    from mla_ext.vllm.triton_dsa_model_ops import not_supported_reasons
+
+    why = list(not_supported_reasons(x.q_c))
+    if x.device.type == "cpu" and NORM_ROPE._forced_name() != "triton":
+        why.append("CPU tensors: the Triton interpreter runs only when forced")
+    why += _unit_last(q_c=x.q_c, kv_c=x.kv_c, k_pe=x.k_pe, k_rope_cos_sin_cache=x.k_rope_cos_sin_cache,
+                      index_k=x.index_k, index_k_rope_cos_sin_cache=x.index_k_rope_cos_sin_cache,
+                      q_rms_norm_w=x.q_rms_norm_w, kv_rms_norm_w=x.kv_rms_norm_w,
+                      index_k_layer_norm_w=x.index_k_layer_norm_w, index_k_layer_norm_bias=x.index_k_layer_norm_bias,
+                      q_out=x.q_out, kv_c_out=x.kv_c_out, k_pe_out=x.k_pe_out, index_k_out=x.index_k_out,
+                      slot_mapping=x.slot_mapping, indexer_slot_mapping=x.indexer_slot_mapping)
+    if x.q_c.shape[1] > 8192 or not _pow2(x.kv_c.shape[1]) or x.kv_c.shape[1] > 1024:
+        why.append(f"q_c width {x.q_c.shape[1]} (<= 8192) / kv_c width {x.kv_c.shape[1]} (a power of two <= 1024)")
+    if x.has_indexer and x.index_k.shape[1] > 512:
+        why.append(f"index_k width {x.index_k.shape[1]} is above the kernel's 512")
+    why += _mla_mode(x)[1]
+    c = x.indexer_k_cache
+    if x.has_indexer and c is not None:
+        if c.stride(2) != 1 or c.stride(1) != c.shape[2]:
+            why.append("indexer_k_cache: a page's rows are not contiguous")
+        D = x.index_k.shape[1]
+        if x.indexer_cache_shuffled and (c.shape[1] % SHUFFLE_BLOCK_TILE or D % SHUFFLE_HEAD_TILE):
+            why.append("shuffled index cache with block_size or head_dim not a multiple of 16")
+    return why
+
+
+def _norm_rope_triton(x: NormRopeInputs) -> None:
+    from mla_ext.vllm.triton_dsa_model_ops import norm_rope_triton
+
+    norm_rope_triton(x, _mla_mode(x)[0])
+
+
+NORM_ROPE = Dispatcher("dsa_fused_norm_rope", [
+    Backend("triton", _norm_rope_triton_reasons, _norm_rope_triton),
+    Backend("torch", lambda x: [], _norm_rope_torch),
+])
 
 
 def fused_q(
@@ -378,7 +525,7 @@ def fused_q(
     positions = _positions(positions, (torch.int64,))
     T, dev = positions.shape[0], positions.device
     _rows(q_pe, "q_pe", 3, T, dev)
-    half = _rope_half(q_pe_cos_sin_cache, "q_pe_cos_sin_cache", q_pe.shape[2], dev, exact=True)
+    _rope_half(q_pe_cos_sin_cache, "q_pe_cos_sin_cache", q_pe.shape[2], dev, exact=True)
     _rows(ql_nope, "ql_nope", 3, T, dev)
     if ql_nope.shape[1] != q_pe.shape[1]:
         raise ValueError(f"ql_nope: expected {q_pe.shape[1]} heads (q_pe's), got shape {tuple(ql_nope.shape)}")
@@ -389,31 +536,122 @@ def fused_q(
     if has_indexer:
         _rows(index_q, "index_q", 3, T, dev)
         NI, D = index_q.shape[1], index_q.shape[2]
-        i_half = _rope_half(index_q_cos_sin_cache, "index_q_cos_sin_cache", D, dev, exact=False)
+        _rope_half(index_q_cos_sin_cache, "index_q_cos_sin_cache", D, dev, exact=False)
         rope_caches.append(("index_q_cos_sin_cache", index_q_cos_sin_cache))
         _rows(index_weights, "index_weights", 2, T, dev, NI)
     _check_positions(positions, rope_caches)
 
     H, L = q_pe.shape[1], ql_nope.shape[2]
-    q_pe_r = rope_interleaved(q_pe.float(), *(c[:, None] for c in _cos_sin(q_pe_cos_sin_cache, positions, half)))
     if quantize_mqa:
         mqa_q = torch.empty(T, H, L + q_pe.shape[2], dtype=FP8, device=dev)
-        raw = mqa_q.view(torch.uint8)
-        scale = q_scale.reshape(1)
-        raw[..., :L] = quantize_fp8_per_tensor(ql_nope, scale, FP8)
-        raw[..., L:] = quantize_fp8_per_tensor(q_pe_r, scale, FP8)
     else:
         mqa_q = torch.empty_like(q_pe)
-        mqa_q.copy_(q_pe_r)
-
     if not has_indexer:
-        return (torch.empty(1, 1, 1, dtype=FP8, device=dev), torch.empty(1, 1, dtype=torch.float32, device=dev),
-                mqa_q)
-    iq = rope_prefix(index_q.float(), *(c[:, None] for c in _cos_sin(index_q_cos_sin_cache, positions, i_half)),
-                     index_rope_interleave)
+        index_q_fp8 = torch.empty(1, 1, 1, dtype=FP8, device=dev)
+        w_out = torch.empty(1, 1, dtype=torch.float32, device=dev)
+    else:
+        index_q_fp8 = torch.empty(T, NI, D, dtype=FP8, device=dev)
+        w_out = torch.empty(T, NI, dtype=torch.float32, device=dev)
+    FUSED_Q(QInputs(positions, q_pe, q_pe_cos_sin_cache, index_q, index_q_cos_sin_cache, ql_nope, q_scale,
+                    index_weights, float(index_weights_softmax_scale), float(index_weights_head_scale),
+                    bool(has_indexer), bool(index_rope_interleave), bool(quantize_mqa), mqa_q, index_q_fp8, w_out))
+    return index_q_fp8, w_out, mqa_q
+
+
+@dataclass(frozen=True)
+class QInputs:
+    """fused_q's checked arguments and its allocated outputs (placeholders without the indexer)."""
+    positions: Tensor
+    q_pe: Tensor
+    q_pe_cos_sin_cache: Tensor
+    index_q: Tensor | None
+    index_q_cos_sin_cache: Tensor | None
+    ql_nope: Tensor
+    q_scale: Tensor
+    index_weights: Tensor | None
+    index_weights_softmax_scale: float
+    index_weights_head_scale: float
+    has_indexer: bool
+    index_rope_interleave: bool
+    quantize_mqa: bool
+    mqa_q: Tensor
+    index_q_fp8: Tensor
+    index_weights_out: Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+
+def _q_torch(x: QInputs) -> None:
+    """The CPU path: torch ops in fp32 and mla_ext's fp8 quantizers."""
+    T, H, R = x.q_pe.shape
+    L = x.ql_nope.shape[2]
+    cs = _cos_sin(x.q_pe_cos_sin_cache, x.positions, R // 2)
+    q_pe_r = rope_interleaved(x.q_pe.float(), *(c[:, None] for c in cs))
+    if x.quantize_mqa:
+        raw = x.mqa_q.view(torch.uint8)
+        scale = x.q_scale.reshape(1)
+        raw[..., :L] = quantize_fp8_per_tensor(x.ql_nope, scale, FP8)
+        raw[..., L:] = quantize_fp8_per_tensor(q_pe_r, scale, FP8)
+    else:
+        x.mqa_q.copy_(q_pe_r)
+    if not x.has_indexer:
+        return
+    NI, D = x.index_q.shape[1], x.index_q.shape[2]
+    cs = _cos_sin(x.index_q_cos_sin_cache, x.positions, x.index_q_cos_sin_cache.shape[1] // 2)
+    iq = rope_prefix(x.index_q.float(), *(c[:, None] for c in cs), x.index_rope_interleave)
     vals, s = quantize_fp8_rows(iq.reshape(T * NI, D), D, "ue8m0")
-    index_q_fp8 = vals.view(FP8).reshape(T, NI, D)
-    w = index_weights.float() * s.reshape(T, NI)
-    w = w * float(index_weights_softmax_scale)  # a Python scalar multiplies in fp32 (torch's opmath), as
-    w = w * float(index_weights_head_scale)  # vLLM's kernel's fp32 scalar arguments; no host->device copy
-    return index_q_fp8, w.contiguous(), mqa_q
+    x.index_q_fp8.view(torch.uint8).copy_(vals.reshape(T, NI, D))
+    w = x.index_weights.float() * s.reshape(T, NI)
+    w = w * x.index_weights_softmax_scale  # a Python scalar multiplies in fp32 (torch's opmath), as
+    w = w * x.index_weights_head_scale  # vLLM's kernel's fp32 scalar arguments; no host->device copy
+    x.index_weights_out.copy_(w)
+
+
+def _q_triton_reasons(x: QInputs) -> list[str]:
+    from mla_ext.vllm.triton_dsa_model_ops import not_supported_reasons
+
+    why = list(not_supported_reasons(x.q_pe))
+    if x.device.type == "cpu" and FUSED_Q._forced_name() != "triton":
+        why.append("CPU tensors: the Triton interpreter runs only when forced")
+    why += _unit_last(q_pe=x.q_pe, q_pe_cos_sin_cache=x.q_pe_cos_sin_cache, ql_nope=x.ql_nope, index_q=x.index_q,
+                      index_q_cos_sin_cache=x.index_q_cos_sin_cache)
+    if x.ql_nope.shape[2] > 1024 or (x.has_indexer and x.index_q.shape[2] > 512):
+        why.append("ql_nope width above 1024 or index head above 512 (the kernel's tiles)")
+    return why
+
+
+def _q_triton(x: QInputs) -> None:
+    from mla_ext.vllm.triton_dsa_model_ops import q_triton
+
+    q_triton(x, x.mqa_q.view(torch.uint8) if x.quantize_mqa else x.mqa_q,
+             x.index_q_fp8.view(torch.uint8) if x.has_indexer else None,
+             x.index_weights_out if x.has_indexer else None)
+
+
+FUSED_Q = Dispatcher("dsa_fused_q", [
+    Backend("triton", _q_triton_reasons, _q_triton),
+    Backend("torch", lambda x: [], _q_torch),
+])
+
+
+def backend_report(device=None) -> list[tuple[str, str, list[str]]]:
+    """[(op, backend, reasons)] for a DeepSeek-V3.2-shaped probe on `device` (default: CUDA if visible)."""
+    dev = report_device(device)
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    pos = torch.zeros(1, dtype=torch.int64, device=dev)
+    cs = torch.ones(4, 64, device=dev)
+    q_c, kv_c, k_pe, ik = (torch.ones(1, n, **bf) for n in (1536, 512, 64, 128))
+    w = torch.ones(1, device=dev)
+    nr = NormRopeInputs(pos, q_c, q_c[0], 1e-6, kv_c, kv_c[0], 1e-6, k_pe, cs, ik, ik[0], ik[0], 1e-6, cs,
+                        torch.empty(1, 2048, dtype=torch.int32, device=dev), pos, pos,
+                        torch.empty(1, 64, 132, dtype=torch.uint8, device=dev), False,
+                        torch.empty(1, 64, 656, dtype=torch.uint8, device=dev), get_format("fp8_ds_mla"), None,
+                        True, False, q_c, None, None, None)
+    q_pe, ql, iq = torch.ones(1, 1, 64, **bf), torch.ones(1, 1, 512, **bf), torch.ones(1, 1, 128, **bf)
+    q = QInputs(pos, q_pe, cs, iq, cs, ql, w, torch.ones(1, 1, **bf), 1.0, 1.0, True, False, True,
+                torch.empty(1, 1, 576, dtype=FP8, device=dev), torch.empty(1, 1, 128, dtype=FP8, device=dev),
+                torch.empty(1, 1, device=dev))
+    return ([(NORM_ROPE.op, b.name, b.not_supported_reasons(nr)) for b in NORM_ROPE.backends]
+            + [(FUSED_Q.op, b.name, b.not_supported_reasons(q)) for b in FUSED_Q.backends])
