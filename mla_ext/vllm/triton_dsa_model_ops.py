@@ -303,7 +303,7 @@ def norm_rope_triton(x, mla_mode: int) -> None:
     else:
         mla_v, mla_kind = mla.view(torch.uint8), OUT_F32
         mla_s = (mla_v.stride(0), mla_v.stride(1))
-    has_ks = mla_mode == MLA_FP8 and x.mla_k_scale is not None and not x.skip_scale
+    has_ks = mla_mode == MLA_FP8 and x.mla_k_scale is not None  # None: skip_scale or no scale
     outs = {}
     for name in ("kv_c_out", "k_pe_out", "index_k_out"):
         o = getattr(x, name)
