@@ -551,7 +551,7 @@ DISPATCHER_MODULES = (
     "mla_ext.cache.api", "mla_ext.kv_b_proj.linear", "mla_ext.attention.api", "mla_ext.attention.latent",
     "mla_ext.sparse.index_cache_backends", "mla_ext.sparse.sparse_attention",
     "mla_ext.sparse.slot_attention",
-    "mla_ext.sparse.mqa_logits", "mla_ext.sparse.indexer_q_quant",
+    "mla_ext.sparse.mqa_logits", "mla_ext.sparse.indexer_q_quant", "mla_ext.vllm.dsa_model_ops",
 )
 
 
