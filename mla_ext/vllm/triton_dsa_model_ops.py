@@ -271,9 +271,13 @@ def store_view(t: Tensor) -> Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+# Compile options on a GPU: fp contraction off, so x * c - y * s rounds as torch's separate ops
+# (no fma); tests/sparse/test_sparse_aot.py compiles with them.
+GPU_OPTIONS = {"enable_fp_fusion": False}
+
+
 def _launch_opts() -> dict:
-    """Warps aside: fp contraction off, so x * c - y * s rounds as torch's separate ops."""
-    return {} if interpreting() else {"enable_fp_fusion": False}
+    return {} if interpreting() else dict(GPU_OPTIONS)
 
 
 def norm_rope_triton(x, mla_mode: int) -> None:

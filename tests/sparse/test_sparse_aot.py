@@ -1,5 +1,5 @@
-"""The sparse kernels compile ahead of time for sm_86 and sm_90 (the flat-slot kernel also for sm_80
-and sm_89; no GPU needed): within shared memory, no fp8 types below sm_89, and zero register
+"""The sparse kernels compile ahead of time for sm_86 and sm_90 (the flat-slot kernel, the indexer ops
+and the DSA model-file kernels also for sm_80 and sm_89; no GPU needed): within shared memory, no fp8 types below sm_89, and zero register
 spills (ptxas -v on Triton's PTX)."""
 import json
 import os
@@ -21,12 +21,12 @@ from mla_ext.sparse import triton_sparse as TS, triton_indexer as TI
 
 SMEM = {86: 99 * 1024, 90: 227 * 1024}
 
-def build(fn, ptrs, consts, cc, warps, stages):
+def build(fn, ptrs, consts, cc, warps, stages, options=None):
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: ptrs.get(p, "i32") for p in params}
     sig.update({k: "constexpr" for k in consts})
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", cc, 32),
+                       options={"num_warps": warps, "num_stages": stages, **(options or {})})
     assert k.metadata.shared <= SMEM[cc], (fn.__name__, cc, consts, k.metadata.shared)
     if cc < 89:
         assert "e4m3" not in k.asm["ptx"], (fn.__name__, cc)
@@ -80,6 +80,25 @@ for cc in (80, 86, 89, 90):
         build(TQ._q_rope_quant_kernel, dict(pos_ptr="*i64", q_ptr="*bf16", cs_ptr="*fp32", w_ptr="*bf16",
               qo_ptr="*u8", wo_ptr="*fp32", softmax_scale="fp32", head_scale="fp32"),
               dict(D=128, R=64, NEOX=neox, BLOCK_H=TQ.BLOCK_H, BLOCK_D=128), cc, TQ.WARPS, 1)
+# vLLM's DeepSeek-V3.2 fused_norm_rope / fused_q on 8.x (mla_ext/vllm/triton_dsa_model_ops.py), as
+# launched (fp contraction off): the fp8_ds_mla + fp8 index cache configuration everywhere, native bf16 on sm_86.
+from mla_ext.vllm import triton_dsa_model_ops as TD
+SMEM.update({80: 163 * 1024, 89: 99 * 1024})
+for cc in (80, 86, 89, 90):
+    for mla, mla_t in ((TD.MLA_DS, "u8"), (TD.MLA_NATIVE, "i16"))[:2 if cc == 86 else 1]:
+        build(TD._norm_rope_kernel, dict(pos_ptr="*i64", slot_ptr="*i64", islot_ptr="*i64", q_ptr="*bf16",
+              qw_ptr="*bf16", q_eps="fp32", qo_ptr="*i16", kv_ptr="*bf16", kvw_ptr="*bf16", kv_eps="fp32",
+              kvo_ptr="*i16", pe_ptr="*bf16", kcs_ptr="*fp32", peo_ptr="*i16", ik_ptr="*bf16", ikw_ptr="*fp32",
+              ikb_ptr="*fp32", ik_eps="fp32", ics_ptr="*fp32", iko_ptr="*i16", topk_ptr="*i32", mla_ptr=f"*{mla_t}",
+              ks_ptr="*fp32", idx_ptr="*u8"),
+              dict(Q=1536, BLOCK_Q=2048, L=512, R=64, D=128, BLOCK_D=128, I_HALF=32, HAS_INDEXER=True, NEOX=True,
+                   HAS_SLOTS=True, HAS_KVO=False, HAS_PEO=False, HAS_IKO=False, HAS_IDX_CACHE=True, SHUFFLE=False,
+                   MLA=mla, HAS_KS=False, MLA_KIND=TD.OUT_BF16, QO_KIND=TD.OUT_BF16, KVO_KIND=0, PEO_KIND=0,
+                   IKO_KIND=0, TOPK_BLOCK=TD.TOPK_BLOCK), cc, TD.NORM_ROPE_WARPS, 1, TD.GPU_OPTIONS)
+    build(TD._q_kernel, dict(pos_ptr="*i64", pe_ptr="*bf16", cs_ptr="*fp32", ln_ptr="*bf16", qs_ptr="*fp32",
+          mqa_ptr="*u8", iq_ptr="*bf16", ics_ptr="*fp32", iqo_ptr="*u8", w_ptr="*bf16", wo_ptr="*fp32",
+          softmax_scale="fp32", head_scale="fp32"), dict(L=512, BLOCK_L=512, R=64, D=128, BLOCK_D=128, I_HALF=32,
+          HAS_INDEXER=True, NEOX=True, QUANT=True, OUT_KIND=0), cc, TD.Q_WARPS, 1, TD.GPU_OPTIONS)
 print("AOT-OK")
 """
 
