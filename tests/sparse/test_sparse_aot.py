@@ -1,6 +1,6 @@
 """The sparse kernels compile ahead of time for sm_86 and sm_90 (the flat-slot kernel, the indexer ops
-and the DSA model-file kernels also for sm_80 and sm_89; no GPU needed): within shared memory, no fp8 types below sm_89, and zero register
-spills (ptxas -v on Triton's PTX)."""
+and the DSA model-file kernels also for sm_80 and sm_89; no GPU needed): within shared memory, no fp8
+types below sm_89, and zero register spills (ptxas -v on Triton's PTX)."""
 import json
 import os
 import subprocess
