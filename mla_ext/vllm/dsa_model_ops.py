@@ -111,11 +111,12 @@ def _check_positions(positions: Tensor, caches) -> None:
             raise ValueError(f"positions: expected values in [0, {cache.shape[0]}) ({arg} rows), got [{lo}, {hi}]")
 
 
-def _slots(t, arg: str, T: int, device) -> Tensor:
+def _slots(t, arg: str, T: int, device) -> None:
+    """A slot mapping with at least T entries (kept as given: an int32 -> int64 copy would be a
+    launch; the Triton kernel reads either, the torch path converts)."""
     _tensor(t, arg, 1, _INTS, device)
     if t.shape[0] < T:
         raise ValueError(f"{arg}: expected at least {T} entries (one per token), got {t.shape[0]}")
-    return t[:T].to(torch.int64)
 
 
 # -- the math, float32 as vLLM's kernels ----------------------------------------
