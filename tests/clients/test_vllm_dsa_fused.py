@@ -4,7 +4,8 @@ Triton interpreter (tests/clients/vllm_dsa_fused.py, with the interpreter's fp32
 casts corrected to the GPU's round-to-nearest-even, saturating) on the seeded cases of
 dsa_fused_cases.py: every return value and every in-place write (q/kv/k_pe/index_k outputs, the
 top-k buffer, the latent cache in auto/bf16/fp8/fp8_ds_mla, the fp8 index cache, plain and
-shuffled) is compared; caches and outputs start poisoned; padding slots (-1) stay untouched.
+shuffled) is compared; caches and outputs start poisoned; padding slots (-1) stay untouched. Both
+of mla_ext's paths: the torch ops and the Triton kernels (forced in the interpreter).
 
 Element-wise results (RoPE'd rows, the fp8 query, index_q_fp8, index weights, the caches' rope
 parts and scales) must be bit-identical; values behind a reduction (RMSNorm, LayerNorm: numpy's
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from clients import dsa_fused_cases as cases
-from mla_ext.vllm.dsa_model_ops import fused_norm_rope, fused_q
+from mla_ext.vllm.dsa_model_ops import FUSED_Q, NORM_ROPE, fused_norm_rope, fused_q
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -36,14 +37,24 @@ def oracle(vllm_tree, tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
+# Both of mla_ext's paths: torch (the CPU default) and the Triton kernels (the CUDA path, forced
+# here in the interpreter).
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(cases.NORM_ROPE_CASES))
-def test_fused_norm_rope_equals_vllms_kernel(oracle, name):
+def test_fused_norm_rope_equals_vllms_kernel(oracle, name, backend):
     args, kwargs = cases.norm_rope_case(name)
-    ret = fused_norm_rope(*args, **kwargs)
+    with NORM_ROPE.force(backend):
+        ret = fused_norm_rope(*args, **kwargs)
     cases.compare_norm_rope(name, ret, args, kwargs, oracle["norm_rope"][name], exact=True)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(cases.Q_CASES))
-def test_fused_q_equals_vllms_kernel(oracle, name):
+def test_fused_q_equals_vllms_kernel(oracle, name, backend):
     args, kwargs = cases.q_case(name)
-    cases.compare_q(args, kwargs, fused_q(*args, **kwargs), oracle["q"][name]["ret"], exact=True)
+    with FUSED_Q.force(backend):
+        ret = fused_q(*args, **kwargs)
+    cases.compare_q(args, kwargs, ret, oracle["q"][name]["ret"], exact=True)
