@@ -28,6 +28,22 @@ if triton is not None:
         return u.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def rope_columns(d, HALF: tl.constexpr, NEOX: tl.constexpr):
+        """(rotated?, partner column, first of its pair?, cos/sin index) of each column d for a RoPE
+        on the first 2 * HALF columns: pairs (i, i + HALF) when NEOX, (2i, 2i + 1) otherwise; columns
+        past the rotation are their own partner, at index 0. Shared with mla_ext.vllm's DSA kernels."""
+        rot = d < 2 * HALF
+        if NEOX:
+            partner = tl.where(d < HALF, d + HALF, d - HALF)
+            first = d < HALF
+            i = d % HALF
+        else:
+            partner = d ^ 1
+            first = (d % 2) == 0
+            i = d // 2
+        return rot, tl.where(rot, partner, d), first, tl.where(rot, i, 0)
+
+    @triton.jit
     def _q_rope_quant_kernel(pos_ptr, q_ptr, cs_ptr, w_ptr, qo_ptr, wo_ptr, H, q_st, q_sh, cs_s, w_st, w_sh,
                              qo_st, qo_sh, wo_st, softmax_scale, head_scale,
                              D: tl.constexpr, R: tl.constexpr, NEOX: tl.constexpr,
@@ -39,20 +55,10 @@ if triton is not None:
         m = h_mask[:, None] & (d < D)[None, :]
         base = q_ptr + t * q_st + h[:, None] * q_sh
         x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)
-        rot = d < R
         HALF: tl.constexpr = R // 2
-        if NEOX:
-            partner = tl.where(d < HALF, d + HALF, d - HALF)
-            first = d < HALF
-            i = d % HALF
-        else:
-            partner = d ^ 1
-            first = (d % 2) == 0
-            i = d // 2
-        partner = tl.where(rot, partner, d)
+        rot, partner, first, i = rope_columns(d, HALF, NEOX)
         xp = tl.load(base + partner[None, :], mask=m & rot[None, :], other=0.0).to(tl.float32)
         p = tl.load(pos_ptr + t).to(tl.int64)
-        i = tl.where(rot, i, 0)
         cos = tl.load(cs_ptr + p * cs_s + i, mask=rot, other=1.0).to(tl.float32)
         sin = tl.load(cs_ptr + p * cs_s + HALF + i, mask=rot, other=0.0).to(tl.float32)
         y = tl.where(first[None, :], x * cos[None, :] - xp * sin[None, :], x * cos[None, :] + xp * sin[None, :])

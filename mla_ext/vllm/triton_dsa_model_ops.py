@@ -32,6 +32,7 @@ TOPK_BLOCK = 1024
 
 if triton is not None:
     from mla_ext.cache.triton_write import _bf16_bits, _ds_tile_scale, _encode_e4m3
+    from mla_ext.sparse.triton_indexer_quant import rope_columns
     from mla_ext.triton_fp8 import launch_guard
 
     @triton.jit
@@ -72,20 +73,6 @@ if triton is not None:
         b = s.to(tl.int32, bitcast=True)
         up = ((b & 0x7FFFFF) != 0) & ((b & 0x7F800000) != 0x7F800000)
         return tl.where(up, (b & 0x7F800000) + 0x800000, b).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _rope_sel(d, HALF: tl.constexpr, NEOX: tl.constexpr):
-        """(rotated?, partner index, first of its pair?, cos/sin index) of each column d."""
-        rot = d < 2 * HALF
-        if NEOX:
-            partner = tl.where(d < HALF, d + HALF, d - HALF)
-            first = d < HALF
-            i = d % HALF
-        else:
-            partner = d ^ 1
-            first = (d % 2) == 0
-            i = d // 2
-        return rot, tl.where(rot, partner, d), first, tl.where(rot, i, 0)
 
     @triton.jit
     def _rotate(x, xp, cos, sin, first):
@@ -133,7 +120,7 @@ if triton is not None:
                           kv_eps, L)
                 pos = tl.load(pos_ptr + t).to(tl.int64)
                 r = tl.arange(0, R)
-                _, partner, first, i = _rope_sel(r, R // 2, False)
+                _, partner, first, i = rope_columns(r, R // 2, False)
                 cos = tl.load(kcs_ptr + pos * kcs_s + i).to(tl.float32)
                 sin = tl.load(kcs_ptr + pos * kcs_s + R // 2 + i).to(tl.float32)
                 pe = _rotate(tl.load(pe_ptr + t * pe_s + r).to(tl.float32),
@@ -182,7 +169,7 @@ if triton is not None:
                     rstd = _rsqrt(_mean(diff * diff, D) + ik_eps)
                     y = diff * rstd * w + b
                     # the rotation partner, normalized with the same mean / rstd (no scratch round trip)
-                    rot, partner, first, i = _rope_sel(d, I_HALF, NEOX)
+                    rot, partner, first, i = rope_columns(d, I_HALF, NEOX)
                     xp = tl.load(ik_ptr + t * ik_s + partner, mask=dm, other=0.0).to(tl.float32)
                     wp = tl.load(ikw_ptr + partner, mask=dm, other=0.0).to(tl.float32)
                     bp = tl.load(ikb_ptr + partner, mask=dm, other=0.0).to(tl.float32)
@@ -222,7 +209,7 @@ if triton is not None:
         pos = tl.load(pos_ptr + t).to(tl.int64)
         if h < H:
             r = tl.arange(0, R)
-            _, partner, first, i = _rope_sel(r, R // 2, False)
+            _, partner, first, i = rope_columns(r, R // 2, False)
             cos = tl.load(cs_ptr + pos * cs_s + i).to(tl.float32)
             sin = tl.load(cs_ptr + pos * cs_s + R // 2 + i).to(tl.float32)
             src = pe_ptr + t * pe_s0 + h * pe_s1
@@ -240,7 +227,7 @@ if triton is not None:
             if h < NI:
                 d = tl.arange(0, BLOCK_D)
                 dm = d < D
-                rot, partner, first, i = _rope_sel(d, I_HALF, NEOX)
+                rot, partner, first, i = rope_columns(d, I_HALF, NEOX)
                 src = iq_ptr + t * iq_s0 + h * iq_s1
                 x = tl.load(src + d, mask=dm, other=0.0).to(tl.float32)
                 xp = tl.load(src + partner, mask=dm & rot, other=0.0).to(tl.float32)
