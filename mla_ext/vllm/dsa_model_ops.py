@@ -11,6 +11,15 @@ one power-of-two (ue8m0) fp32 scale per token) and torch's round-to-nearest-even
 (mla_ext.cache.reference.quantize_fp8_per_tensor, index_cache_torch.quantize_fp8_rows). No host
 sync on CUDA (CUDA-graph safe): rows are selected with torch.where, not boolean indexing.
 
+Two paths (mla_ext.dispatch; MLA_EXT_FORCE_DSA_FUSED_NORM_ROPE / _DSA_FUSED_Q=triton|torch):
+"triton" (triton_dsa_model_ops.py: one launch per op, software e4m3, no fp8 types) is chosen on
+CUDA for every configuration these ops serve (latent cache auto/bf16/fp16/fp32, fp8 per tensor,
+fp8_ds_mla or none; index cache plain or shuffled or none; shared layers), except tensors whose
+rows are not unit-stride, a cache whose rows are not contiguous, fp8_ds_mla with L != 512 or
+R != 64, q_c wider than 8192, kv_c not a power of two <= 1024, index heads above 512 (those take
+the torch path). "torch" (fp32 torch ops and mla_ext's cache writers, 20-40 launches) is the CPU
+path; the Triton one runs on the CPU only when forced, under TRITON_INTERPRET=1.
+
 Where vLLM's kernel reads or writes out of bounds, these raise ValueError (or skip, for a
 negative indexer slot) instead; formats vLLM's kernel cannot serve on these GPUs (nvfp4_ds_mla:
 an sm_100 instruction; fp8_e5m2: vLLM's kernel writes e4m3 bytes into it) are refused. The
