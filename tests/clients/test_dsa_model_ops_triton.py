@@ -84,6 +84,22 @@ def test_fused_q_triton_writes_every_output_element():
             assert torch.equal(_bytes(got), _bytes(want)), name
 
 
+def test_norm_rope_triton_fp16_outputs_fp16_cache_int32_slots():
+    runs = []
+    for backend in ("torch", TRITON):
+        args, kw = cases.norm_rope_case("bf16-auto-neox")
+        for key, like in (("kv_c_out", args[4]), ("k_pe_out", args[7]), ("q_c_out", args[1])):
+            kw[key] = torch.full(like.shape, float("nan"), dtype=torch.float16)
+        kw["mla_kv_cache"] = torch.randn(kw["mla_kv_cache"].shape, generator=torch.Generator().manual_seed(1)).half()
+        kw["slot_mapping"] = kw["slot_mapping"].int()
+        with M.NORM_ROPE.force(backend):
+            M.fused_norm_rope(*args, **kw)
+        runs.append(kw)
+    for key in ("kv_c_out", "k_pe_out", "q_c_out", "mla_kv_cache", "indexer_k_cache"):
+        assert torch.equal(_bytes(runs[0][key]), _bytes(runs[1][key])), key
+        assert not runs[1][key].view(torch.uint8 if key == "indexer_k_cache" else torch.float16).isnan().any()
+
+
 def test_norm_rope_triton_skips_slots_past_the_caches():
     """A slot at or past num_blocks * block_size writes nothing (the torch path's writers refuse it on
     the CPU; on CUDA nothing checks on the host, which would sync)."""
