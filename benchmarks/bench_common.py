@@ -86,3 +86,25 @@ def finish(log: RowLog, interrupted: bool, plot=None) -> int:
     for r in bad[:20]:
         print(f"  {r['status']}: {r['error']}")
     return 130 if interrupted else (1 if bad else 0)
+
+
+def run_rows(log: RowLog, measure, plot=None) -> int:
+    """measure(): every row into `log`; Ctrl-C keeps the rows measured so far; then finish()."""
+    interrupted = False
+    try:
+        measure()
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: keeping the rows measured so far", flush=True)
+    return finish(log, interrupted, plot)
+
+
+def pick_device(threads: int) -> str:
+    """"cuda" where torch sees a GPU, else "cpu" limited to `threads` threads (timings comparable
+    on shared build machines)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    torch.set_num_threads(threads)
+    return "cpu"

@@ -34,7 +34,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 from bench_absorbed import device_name, kv_b_proj, model_config  # noqa: E402
-from bench_common import RowLog, finish  # noqa: E402
+from bench_common import RowLog, finish, pick_device  # noqa: E402
 from bench_cache import Timer  # noqa: E402
 
 from mla_ext.cache import api as cache_api  # noqa: E402
@@ -144,9 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        torch.set_num_threads(args.threads)
+    device = pick_device(args.threads)
     contexts = args.context or (([32768, 131072] if args.quick else GPU_C) if device == "cuda" else CPU_C)
     news = args.new_tokens or (([256] if args.quick else GPU_T) if device == "cuda" else CPU_T)
     K = args.topk or (2048 if device == "cuda" else 256)

@@ -36,7 +36,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 from bench_absorbed import device_name  # noqa: E402
-from bench_common import RowLog, finish  # noqa: E402
+from bench_common import RowLog, pick_device, run_rows  # noqa: E402
 from bench_cache import Timer  # noqa: E402
 
 from mla_ext.cache import api as cache_api  # noqa: E402
@@ -258,15 +258,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        torch.set_num_threads(args.threads)
+    device = pick_device(args.threads)
     s = sizes(device, args.quick)
     log = RowLog(os.path.join(args.out, f"vllm_sparse_{device}.csv"), FIELDS,
                  dict(device=device_name(device), quick=args.quick))
     print(f"vLLM DSA ops: {s['heads']} heads, L {L}, R {R}, K {s['topk']}; indexer {s['idx_heads']} x {ID}", flush=True)
-    interrupted = False
-    try:
+
+    def measure():
         timer = Timer(device, args.reps or 3)
         for fmt in ("fp8_ds_mla", "auto"):
             try:
@@ -280,10 +278,8 @@ def main(argv=None) -> int:
             bench_indexer(s, timer, device, log)
         except Exception as exc:  # noqa: BLE001
             log.fail(dict(op="indexer"), exc)
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\ninterrupted: keeping the rows measured so far", flush=True)
-    return finish(log, interrupted)
+
+    return run_rows(log, measure)
 
 
 if __name__ == "__main__":
