@@ -14,7 +14,7 @@ GPU vLLM has kernels for (on 8.x it fills vLLM's DSA gaps, last item):
   plugin has loaded -- and makes the name ``MLA_EXT`` an alias of that member
   (a member created at register() time would not exist in the child yet);
 * it registers the DSA sparse MLA backend and, on GPUs of capability 8.x, the indexer and
-  model-file functions vLLM lacks there (mla_ext/vllm/sparse_plugin.py: nothing on 9.x+);
+  model-file functions vLLM lacks there (mla_ext/vllm/sparse_plugin.py: no kernel of vLLM's replaced on 9.x+);
 * it logs one INFO line (logger ``vllm.mla_ext``, vLLM's handler).
 
 So ``--attention-config.mla_prefill_backend=MLA_EXT`` (or ``=CUSTOM``) selects

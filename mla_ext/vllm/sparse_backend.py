@@ -45,7 +45,9 @@ BLOCK_MULTIPLE = 64  # the indexer's cache insists on 64-token blocks
 
 class MlaExtSparseMLABackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_CACHE_DTYPES)
+    # "fp8" / "fp8_e4m3" are accepted at selection and served as fp8_ds_mla (the plugin's route of
+    # vLLM's _canonicalize_sparse_mla_kv_cache_dtype, as vLLM does for FLASHMLA_SPARSE).
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [*KV_CACHE_DTYPES, "fp8", "fp8_e4m3"]
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:

@@ -19,7 +19,9 @@ fills exactly those gaps, and nothing else:
   (the model file's fused norm/RoPE/quant, the indexer's fp8 query padding and its JIT warmup,
   which would stop the engine at start-up), and vLLM's compiled ops only when vLLM's library does
   not have them (the CPU tests).
-  On 9.x and newer nothing is rebound and vLLM's kernels stay.
+  On 9.x and newer vLLM's kernels stay. On any GPU, vLLM's kv-cache-dtype canonicalisation is
+  wrapped so that "fp8" means fp8_ds_mla for mla_ext's backend too (vLLM decides it by backend
+  name, for FLASHMLA_SPARSE); every other backend keeps vLLM's answer.
   A routed module not imported yet is patched the moment it is imported (a post-import
   hook), so a name bound with ``from ... import`` inside vLLM is replaced before use.
 
@@ -51,7 +53,8 @@ class Route:
     module: str  # the vLLM module whose global is rebound
     attr: str
     provider: str  # "mla_ext module:function" taking its place
-    need: str  # when: "no-deep-gemm" (cc 8.x), "no-triton-fp8" (cc < 8.9), "no-c-op" (vLLM's library lacks it)
+    need: str  # when: "no-deep-gemm" (cc 8.x), "no-triton-fp8" (cc < 8.9), "no-c-op" (vLLM's library lacks it),
+    #            "backend" (any GPU: it changes vLLM's behaviour only for mla_ext's own backend)
     c_op: str = ""  # "no-c-op": the torch.ops name vLLM's wrapper calls, e.g. "_C_cache_ops.indexer_k_quant_and_cache"
     wraps: bool = False  # the provider takes vLLM's object and returns its stand-in (a wrapper)
 
@@ -62,8 +65,13 @@ _V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 _V2_MODEL = "vllm.model_executor.models.deepseek_v2"
 _OPS = "vllm._custom_ops"
 _COMMON_OPS = "vllm.v1.attention.ops.common"
+_MLA_ATTENTION = "vllm.model_executor.layers.attention.mla_attention"
 
 ROUTES = (
+    # `--kv-cache-dtype fp8` means DeepSeek's fp8_ds_mla for the sparse backend, as vLLM decides for
+    # FLASHMLA_SPARSE by name; only mla_ext's backend is affected.
+    Route(_MLA_ATTENTION, "_canonicalize_sparse_mla_kv_cache_dtype", "mla_ext.vllm.sparse_plugin:fp8_means_ds_mla",
+          "backend", wraps=True),
     Route(_INDEXER, "fp8_fp4_mqa_logits", "mla_ext.vllm.deep_gemm_ops:fp8_fp4_mqa_logits", "no-deep-gemm"),
     Route(_INDEXER, "fp8_fp4_paged_mqa_logits", "mla_ext.vllm.deep_gemm_ops:fp8_fp4_paged_mqa_logits",
           "no-deep-gemm"),
@@ -101,6 +109,20 @@ def deep_gemm_served() -> bool:
     return True
 
 
+def fp8_means_ds_mla(canonicalize):
+    """Wraps vLLM's _canonicalize_sparse_mla_kv_cache_dtype(attn_backend, kv_cache_dtype): with
+    mla_ext's sparse backend, "fp8" / "fp8_e4m3" become "fp8_ds_mla" (what vLLM makes of them for
+    FlashMLA sparse, the backend users of these models know); anything else is vLLM's answer."""
+
+    def canonical(attn_backend, kv_cache_dtype):
+        if attn_backend.get_name() == SPARSE_BACKEND_NAME and kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            return "fp8_ds_mla"
+        return canonicalize(attn_backend, kv_cache_dtype)
+
+    canonical.__wrapped__ = canonicalize
+    return canonical
+
+
 def sparse_mode() -> str:
     from mla_ext._args import env_switch
 
@@ -129,7 +151,11 @@ def _c_op_available(qualified: str) -> bool:
 def needed(route: Route, capability: tuple[int, int] | None) -> bool:
     """Whether this process's GPU lacks what `route` replaces (a "no-c-op" route is checked
     again when applied: vLLM's own _C may have the op)."""
-    if capability is None or capability[0] != 8:
+    if capability is None:
+        return False
+    if route.need == "backend":
+        return True
+    if capability[0] != 8:
         return False
     if route.need == "no-deep-gemm":
         return True

@@ -64,7 +64,7 @@ def test_selector_picks_mla_ext_with_no_flag_and_with_custom(record, family):
     assert record["stated_capability"] == "8.6"
     recs = record["selection"][family]
     got = {(r["flag"], r["kv_cache_dtype"], r["dtype"]): r.get("backend", r.get("error")) for r in recs}
-    assert set(got) == {(f, c, d) for f in (None, "CUSTOM") for c in ("auto", "fp8_ds_mla")
+    assert set(got) == {(f, c, d) for f in (None, "CUSTOM") for c in ("auto", "fp8_ds_mla", "fp8")
                         for d in ("float32", "bfloat16")}
     assert set(got.values()) == {OURS}, got
 

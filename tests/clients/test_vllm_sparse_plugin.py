@@ -29,9 +29,10 @@ def test_routes_follow_what_the_gpu_lacks():
                   "_PACK_SEQ_TRITON_KERNEL"}
     c_ops = {"indexer_k_quant_and_cache", "cp_gather_indexer_k_quant_cache", "top_k_per_row_prefill",
              "top_k_per_row_decode"}
-    assert _routes((8, 0)) == _routes((8, 6)) == deep_gemm | triton_fp8 | c_ops
-    assert _routes((8, 9)) == deep_gemm | c_ops  # Triton has fp8e4nv from sm_89
-    assert _routes((9, 0)) == _routes((10, 0)) == _routes((12, 0)) == set()
+    ours = {"_canonicalize_sparse_mla_kv_cache_dtype"}  # acts on mla_ext's backend only
+    assert _routes((8, 0)) == _routes((8, 6)) == deep_gemm | triton_fp8 | c_ops | ours
+    assert _routes((8, 9)) == deep_gemm | c_ops | ours  # Triton has fp8e4nv from sm_89
+    assert _routes((9, 0)) == _routes((10, 0)) == _routes((12, 0)) == ours
     assert _routes(None) == set()  # vLLM CPU: its own forward_cpu
 
 
@@ -72,16 +73,24 @@ def test_capability_8x_gets_the_backend_without_flags_and_the_routes(vllm_tree):
     # vllm._custom_ops was imported after the plugin loaded: patched at its import (no _C here).
     assert r["top_k_per_row_prefill"] == "mla_ext.vllm._indexer_ops.top_k_per_row_prefill"
     assert "vllm._custom_ops.indexer_k_quant_and_cache" in r["routed"]
+    # `--kv-cache-dtype fp8` is served as fp8_ds_mla by mla_ext's backend, as vLLM does for
+    # FLASHMLA_SPARSE; another backend keeps vLLM's answer.
+    assert r["canonical"] == {"ours": {"fp8": "fp8_ds_mla", "fp8_e4m3": "fp8_ds_mla", "auto": "auto",
+                                       "fp8_ds_mla": "fp8_ds_mla"}, "other_fp8": "fp8"}
     # The indexer's fp8 query padding: packed as bytes by vLLM's own kernel, and its JIT warmup
     # registers that uint8 kernel (an fp8 one cannot compile below sm_89 and vLLM warms up by default).
     assert r["pack_seq"]["fn"] == "mla_ext.vllm.seq_pack.pack_seq_triton" and r["pack_seq"]["rows_equal"]
     assert r["pack_seq"]["warmup"] == [["PackSeqTritonKernel", "torch.uint8", 0]]
 
 
+CANONICAL = "vllm.model_executor.layers.attention.mla_attention._canonicalize_sparse_mla_kv_cache_dtype"
+
+
 def test_capability_9x_keeps_vllms_kernels(vllm_tree):
     r = _registration(vllm_tree, "9.0")
     assert r["flashmla_sparse"] is None and r["custom"] == OURS
-    assert r["routed"] == [] and r["waiting_before_import"] == []
+    # Only the kv-cache-dtype canonicalisation, which acts on mla_ext's own backend (CUSTOM) alone.
+    assert r["routed"] == [CANONICAL] and set(r["waiting_before_import"]) <= {CANONICAL.rsplit(".", 1)[0]}
     assert r["top_k_per_row_prefill"] == "vllm._custom_ops.top_k_per_row_prefill"
     assert r["pack_seq"]["fn"] == "vllm.v1.attention.ops.common.pack_seq_triton"
     assert r["pack_seq"]["warmup"] == [["PackSeqTritonKernel", "torch.float8_e4m3fn", float("-inf")]]

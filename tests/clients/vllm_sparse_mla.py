@@ -158,7 +158,7 @@ def selection(model, tmp) -> list[dict]:
 
     out = []
     for backend in (None, "CUSTOM"):
-        for fmt in ("auto", "fp8_ds_mla"):
+        for fmt in ("auto", "fp8_ds_mla", "fp8"):
             for dtype in (torch.float32, torch.bfloat16):
                 rec = {"flag": backend, "kv_cache_dtype": fmt, "dtype": str(dtype).removeprefix("torch.")}
                 try:

@@ -62,7 +62,25 @@ def pack_check() -> dict:
                        for k, regs in registry._registrations.items() for _, kw in regs]}
 
 
+def canonical_check() -> dict:
+    """What vLLM's MLA layer makes of a kv-cache dtype for a sparse backend: for mla_ext's, "fp8"
+    means fp8_ds_mla (as vLLM decides for FLASHMLA_SPARSE); other backends keep vLLM's answer."""
+    from vllm.model_executor.layers.attention import mla_attention
+
+    from mla_ext.vllm.sparse_backend import MlaExtSparseMLABackend
+
+    class OtherBackend:
+        @staticmethod
+        def get_name():
+            return "FLASH_ATTN_MLA_SPARSE"
+
+    canon = mla_attention._canonicalize_sparse_mla_kv_cache_dtype
+    return {"ours": {d: canon(MlaExtSparseMLABackend, d) for d in ("fp8", "fp8_e4m3", "auto", "fp8_ds_mla")},
+            "other_fp8": canon(OtherBackend, "fp8")}
+
+
 print(json.dumps({
+    "canonical": canonical_check(),
     "pack_seq": pack_check(),
     "flashmla_sparse": path("FLASHMLA_SPARSE"), "custom": path("CUSTOM"),
     "flash_attn_mla_sparse": path("FLASH_ATTN_MLA_SPARSE"),
