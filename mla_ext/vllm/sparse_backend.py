@@ -147,11 +147,15 @@ class MlaExtSparseMLAImpl(SparseMLACommonImpl[MlaExtSparseMLAMetadata]):
                  logits_soft_cap: float | None, attn_type: str, kv_sharing_target_layer_name: str | None,
                  topk_indices_buffer: torch.Tensor | None = None, indexer: Any | None = None,
                  **mla_args: Any) -> None:
-        if any([alibi_slopes, sliding_window, logits_soft_cap]):
-            raise NotImplementedError(f"{BACKEND_NAME} does not support alibi, sliding window or logits soft cap")
+        # DSA attention has none of these; vLLM's selector never builds this impl with them, so a
+        # value here is a caller's mistake, named.
+        for name, value in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+                            ("logits_soft_cap", logits_soft_cap)):
+            if value:
+                raise ValueError(f"{name}: {BACKEND_NAME} (DSA sparse MLA) takes none, got {value!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise NotImplementedError(f"{BACKEND_NAME} serves kv_cache_dtype in {KV_CACHE_DTYPES}, "
-                                      f"got {kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype: {BACKEND_NAME} expects one of {KV_CACHE_DTYPES} (vLLM's layer passes "
+                             f"'fp8' / 'fp8_e4m3' as 'fp8_ds_mla' through mla_ext's plugin), got {kv_cache_dtype!r}")
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, indexer=indexer,
                          topk_indices_buffer=topk_indices_buffer, **mla_args)

@@ -60,3 +60,10 @@ def test_forward_mqa_equals_the_reference(result, i):
     assert m["all_written"] and m["slots_equal"]
     assert m["rel"] <= BF16_TOL and m["rel_triton"] <= BF16_TOL
     assert m["lse_err"] <= 1e-4
+
+
+def test_the_impl_refuses_what_dsa_attention_does_not_have_naming_the_argument(result):
+    r = result["cases"][0]["impl"]["refusals"]
+    assert r["sliding_window"].startswith("sliding_window: MLA_EXT_SPARSE (DSA sparse MLA) takes none, got 128")
+    assert r["kv_cache_dtype"].startswith("kv_cache_dtype: MLA_EXT_SPARSE expects one of")
+    assert r["kv_cache_dtype"].endswith("got 'fp8'")

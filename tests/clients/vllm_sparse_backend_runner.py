@@ -151,12 +151,23 @@ def run(cls, mc: ModelConfig, cache_dtype: str, seed: int) -> dict:
 
         buffer = torch.full((64, TOPK), -1, dtype=torch.int32)
         buffer[:T] = topk
-        impl = cls.get_impl_cls()(
-            num_heads=H, head_size=L + R, scale=(P + R) ** -0.5, num_kv_heads=1, alibi_slopes=None,
-            sliding_window=None, kv_cache_dtype=cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
-            kv_sharing_target_layer_name=None, q_lora_rank=96, kv_lora_rank=L, qk_nope_head_dim=P,
-            qk_rope_head_dim=R, qk_head_dim=P + R, v_head_dim=V, kv_b_proj=None, indexer=None,
-            topk_indices_buffer=buffer)
+
+        def make_impl(**over):
+            args = dict(num_heads=H, head_size=L + R, scale=(P + R) ** -0.5, num_kv_heads=1, alibi_slopes=None,
+                        sliding_window=None, kv_cache_dtype=cache_dtype, logits_soft_cap=None,
+                        attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, q_lora_rank=96,
+                        kv_lora_rank=L, qk_nope_head_dim=P, qk_rope_head_dim=R, qk_head_dim=P + R, v_head_dim=V,
+                        kv_b_proj=None, indexer=None, topk_indices_buffer=buffer)
+            return cls.get_impl_cls()(**{**args, **over})
+
+        impl = make_impl()
+        refusals = {}
+        for arg, value in (("sliding_window", 128), ("kv_cache_dtype", "fp8")):
+            try:
+                make_impl(**{arg: value})
+                refusals[arg] = None
+            except ValueError as exc:
+                refusals[arg] = str(exc)
 
         width = 656 if cache_dtype == "fp8_ds_mla" else L + R
         cache = torch.full((num_blocks, B, width), 0x7F if cache_dtype == "fp8_ds_mla" else float("nan"),
@@ -180,7 +191,7 @@ def run(cls, mc: ModelConfig, cache_dtype: str, seed: int) -> dict:
                            lse_shape=None if lse is None else list(lse.shape), all_written=bool(got.isfinite().all()),
                            rel=rel(got, want), rel_triton=rel(got_triton, want), lse_err=float((lse - want_lse).abs().max()) if lse is not None else None,
                            slots_equal=bool(torch.equal(slots_got, want_slots)),
-                           quant_query=impl.supports_quant_query_input)
+                           quant_query=impl.supports_quant_query_input, refusals=refusals)
     return out
 
 
