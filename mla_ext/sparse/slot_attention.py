@@ -40,9 +40,9 @@ from torch import Tensor
 from mla_ext._args import check_no_meta
 from mla_ext.attention import triton_latent as TL
 from mla_ext.cache.checks import check_cache_dtype
-from mla_ext.cache.reference import decode_cache_rows
 from mla_ext.config.formats import QuantMode, get_format
 from mla_ext.dispatch import Backend, Dispatcher, report_device
+from mla_ext.sparse.torch_rows import attend, decode_entries
 
 MAX_ROW_BYTES = 64 << 20  # torch backend: decoded rows per block of tokens
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -93,13 +93,9 @@ def _rows(x: SlotInputs, t0: int, t1: int) -> tuple[Tensor, Tensor]:
     """(decoded rows [t1-t0, K, L+R] fp32, valid [t1-t0, K]) for tokens t0..t1."""
     nb, B = x.kv_cache.shape[:2]
     valid = valid_slots(x.slots[t0:t1], nb, B, x.block_rows)
-    s = torch.where(valid, x.slots[t0:t1].to(torch.int64), 0)
-    # Tokens of a block share many of their slots: decode each row once.
-    uniq, inv = torch.unique(s, return_inverse=True)
-    raw = x.kv_cache[uniq // x.block_rows, uniq % x.block_rows]  # [U, entry]
     width = x.q_lat.shape[-1] + x.q_pe.shape[-1]
-    dec = decode_cache_rows(raw, x.kv_cache_dtype, x.k_scale)[:, :width].to(x.device)[inv]
-    return torch.where(valid[..., None], dec, 0.0), valid
+    rows = decode_entries(x.kv_cache, x.slots[t0:t1], valid, x.block_rows, x.kv_cache_dtype, x.k_scale, width)
+    return rows, valid
 
 
 def _torch_run(x: SlotInputs) -> None:
@@ -109,14 +105,9 @@ def _torch_run(x: SlotInputs) -> None:
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         rows, valid = _rows(x, t0, t1)  # [tq, K, L+R], [tq, K]
-        s = torch.einsum("thl,tkl->thk", x.q_lat[t0:t1].float(), rows[..., :L])
-        if x.q_pe.shape[-1]:
-            s += torch.einsum("thr,tkr->thk", x.q_pe[t0:t1].float(), rows[..., L:])
-        s = (s * x.softmax_scale).masked_fill(~valid[:, None, :], float("-inf"))
-        ls = torch.logsumexp(s, dim=-1)  # [tq, H]; -inf for a token without a key
-        p = torch.exp(s - torch.where(torch.isinf(ls), 0.0, ls)[..., None])
-        x.out[t0:t1] = torch.einsum("thk,tkl->thl", p, rows[..., :L]).to(x.out.dtype)
-        x.lse[t0:t1] = ls
+        o, lse = attend(x.q_lat[t0:t1], x.q_pe[t0:t1], rows, valid, x.softmax_scale)
+        x.out[t0:t1] = o.to(x.out.dtype)
+        x.lse[t0:t1] = lse
 
 
 SPARSE_SLOTS = Dispatcher(

@@ -22,8 +22,8 @@ from torch import Tensor
 from mla_ext._args import check_no_meta
 from mla_ext.attention import triton_latent as TL
 from mla_ext.cache.checks import check_cache_dtype
-from mla_ext.cache.reference import decode_cache_rows
 from mla_ext.dispatch import Backend, Chosen, Dispatcher
+from mla_ext.sparse.torch_rows import attend, decode_entries
 from mla_ext.config.formats import QuantMode, get_format
 from mla_ext.attention.latent import latent_outputs
 from mla_ext.dispatch import report_device
@@ -91,13 +91,8 @@ def _rows(x: SparseInputs, t0: int, t1: int, tok_req: Tensor, cu: list[int]) -> 
     blk = torch.where(in_table, x.block_table.to(torch.int64)[req, lblk.clamp_max(max(width - 1, 0))]
                       if width else torch.zeros_like(idx), -1)
     ok = in_table & (blk >= 0) & (blk < nb)
-    # Queries of a block share most of their positions: decode each cache entry once.
-    slot = torch.where(ok, blk * B + idx % B, 0)
-    uniq, inv = torch.unique(slot, return_inverse=True)
-    raw = x.kv_cache[uniq // B, uniq % B]  # [U, entry]
     L, R = x.q_lat.shape[-1], x.q_pe.shape[-1]
-    dec = decode_cache_rows(raw, x.kv_cache_dtype, x.k_scale)[:, :L + R][inv]  # [tq, K, L+R]
-    dec = torch.where(ok[..., None], dec, 0.0)
+    dec = decode_entries(x.kv_cache, blk * B + idx % B, ok, B, x.kv_cache_dtype, x.k_scale, L + R)
     is_new = valid & (idx >= ctx)
     start = torch.tensor(cu[:-1], dtype=torch.int64, device=idx.device)[req]
     nrow = torch.where(is_new, start + idx - ctx, 0)
@@ -114,14 +109,9 @@ def _torch_run(x: SparseInputs) -> tuple[Tensor, Tensor]:
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         rows, valid = _rows(x, t0, t1, tok_req, cu)  # [tq, K, L+R], [tq, K]
-        s = torch.einsum("ntl,tkl->ntk", x.q_lat[:, t0:t1].float(), rows[..., :L])
-        if x.q_pe.shape[-1]:
-            s += torch.einsum("tnr,tkr->ntk", x.q_pe[t0:t1].float(), rows[..., L:])
-        s = (s * x.softmax_scale).masked_fill(~valid[None], float("-inf"))
-        ls = torch.logsumexp(s, dim=-1)  # [N, tq]; -inf for a query with no key
-        p = torch.exp(s - torch.where(torch.isinf(ls), 0.0, ls)[..., None])
-        out[:, t0:t1] = torch.einsum("ntk,tkl->ntl", p, rows[..., :L]).to(out.dtype)
-        lse[:, t0:t1] = ls
+        o, ls = attend(x.q_lat[:, t0:t1].transpose(0, 1), x.q_pe[t0:t1], rows, valid, x.softmax_scale)
+        out[:, t0:t1] = o.transpose(0, 1).to(out.dtype)
+        lse[:, t0:t1] = ls.transpose(0, 1)
     return out, lse
 
 
